@@ -1,0 +1,16 @@
+//! The dataplane: the only code that touches BPF programs and maps.
+//!
+//! - [`plan`] (pure) turns the model's [`crate::model::DesiredState`] into map content and
+//!   an ordered list of writes against what the kernel holds now;
+//! - [`kernel`] reads and writes the pinned maps;
+//! - [`loader`] loads the programs, pins maps and links, and swaps programs in place;
+//! - [`bpf_sys`] holds the few raw `bpf(2)` calls aya 0.14 does not expose.
+
+pub mod bpf_sys;
+pub mod kernel;
+pub mod loader;
+pub mod plan;
+
+pub use kernel::KernelMaps;
+pub use loader::{LoadOptions, cleanup, load_and_attach};
+pub use plan::{Capacity, Ids, MapContent, Plan, PlanError};

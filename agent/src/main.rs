@@ -1,0 +1,220 @@
+//! `ferry`: agent, list, cleanup (DESIGN.md §4). Exit codes: 0 ok, 1 runtime failure,
+//! 2 usage or configuration error.
+
+use std::{net::IpAddr, path::PathBuf, process::ExitCode};
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Parser, Subcommand, ValueEnum};
+use ferry::{
+    agent::{self, AgentConfig},
+    dataplane::{self, Capacity, KernelMaps, LoadOptions},
+    list, node,
+    source::manifests,
+};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "ferry", version, about = "eBPF kube-proxy replacement")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the dataplane in the foreground.
+    Agent(AgentArgs),
+    /// Show what the kernel is doing now, from the pinned maps.
+    List {
+        #[arg(long, default_value = "/sys/fs/bpf/ferry")]
+        bpffs: PathBuf,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+    },
+    /// Detach everything and remove the pins. Idempotent.
+    Cleanup {
+        #[arg(long, default_value = "/sys/fs/bpf/ferry")]
+        bpffs: PathBuf,
+        /// Accepted for symmetry with `agent`; links are found through the pins.
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
+        /// Accepted for symmetry with `agent` (tc devices arrive with a later release).
+        #[arg(long, value_delimiter = ',')]
+        devices: Vec<String>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// Directory of Service and EndpointSlice manifests (watched).
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+    /// Kubernetes API access through a kubeconfig (not in this release).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name (endpoints with this nodeName are local).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// cgroup v2 directory for the socket hooks (default: the cgroup2 mount).
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    /// bpffs directory where maps and links are pinned.
+    #[arg(long, default_value = "/sys/fs/bpf/ferry")]
+    bpffs: PathBuf,
+    /// Devices for the tc hooks (accepted; the tc path arrives with a later release).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// NodePort addresses (default: every local address except loopback, followed live).
+    #[arg(long, value_delimiter = ',')]
+    node_ip: Vec<IpAddr>,
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    health_addr: std::net::SocketAddr,
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_addr: std::net::SocketAddr,
+    /// Service map capacity: one entry per frontend plus one per backend slot.
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
+    max_services: u32,
+    /// Backend map capacity (distinct address, port, protocol).
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
+    max_backends: u32,
+    /// Session-affinity and UDP stickiness entries (LRU).
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
+    max_affinity: u32,
+    /// Socket reverse-translation entries (LRU).
+    #[arg(long, default_value_t = 262144, value_parser = clap::value_parser!(u32).range(1..))]
+    max_revnat: u32,
+}
+
+/// A usage or configuration error: exit code 2.
+#[derive(Debug)]
+struct UsageError(String);
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+impl std::error::Error for UsageError {}
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    anyhow!(UsageError(msg.into()))
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Agent(args) => run_agent(args),
+        Cmd::List { bpffs, output } => run_list(&bpffs, output),
+        Cmd::Cleanup { bpffs, .. } => run_cleanup(&bpffs),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferry: error: {e:#}");
+            if e.downcast_ref::<UsageError>().is_some() { ExitCode::from(2) } else { ExitCode::from(1) }
+        }
+    }
+}
+
+/// The cgroup v2 mount, from /proc/self/mounts.
+fn default_cgroup() -> Result<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 2 && f[2] == "cgroup2").then(|| PathBuf::from(f[1]))
+        })
+        .next()
+        .ok_or_else(|| usage("--cgroup: no cgroup2 filesystem is mounted; mount one or pass --cgroup DIR"))
+}
+
+fn run_agent(a: AgentArgs) -> Result<()> {
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    let manifests = match (&a.manifests, &a.kubeconfig, in_cluster) {
+        (Some(dir), None, _) => dir.clone(),
+        (None, Some(_), _) | (None, None, true) => {
+            return Err(usage(
+                "--kubeconfig / in-cluster: this release reads Services and EndpointSlices from --manifests DIR only",
+            ));
+        }
+        (Some(_), Some(_), _) => return Err(usage("give exactly one of --manifests and --kubeconfig")),
+        (None, None, false) => {
+            return Err(usage("no source: give --manifests DIR (or --kubeconfig PATH, or run in-cluster)"));
+        }
+    };
+    manifests::check_dir(&manifests).map_err(|e| usage(e.to_string()))?;
+    let cgroup = match a.cgroup {
+        Some(c) => c,
+        None => default_cgroup()?,
+    };
+    if !cgroup.join("cgroup.procs").exists() {
+        return Err(usage(format!("--cgroup {}: not a cgroup v2 directory (no cgroup.procs)", cgroup.display())));
+    }
+    if !a.devices.is_empty() {
+        tracing::warn!(devices = ?a.devices, "--devices: the tc path is not in this release; only socket hooks are attached");
+    }
+    let node_ips = if a.node_ip.is_empty() { None } else { Some(a.node_ip.clone()) };
+    if let Some(ips) = &node_ips {
+        if let Some(bad) = ips.iter().find(|ip| !node::usable_for_nodeport(ip)) {
+            return Err(usage(format!("--node-ip {bad}: loopback, link-local and unspecified addresses never serve NodePorts")));
+        }
+    }
+    let cfg = AgentConfig {
+        manifests,
+        node_name: a.node_name.unwrap_or_else(node::hostname),
+        node_ips,
+        load: LoadOptions {
+            bpffs: a.bpffs,
+            cgroup,
+            capacity: Capacity { services: a.max_services, backends: a.max_backends },
+            affinity_entries: a.max_affinity,
+            revnat_entries: a.max_revnat,
+        },
+        health_addr: a.health_addr,
+        metrics_addr: a.metrics_addr,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(agent::run(cfg)).map_err(|e| match e {
+        agent::AgentError::Listen { .. } | agent::AgentError::Manifests(_) => usage(e.to_string()),
+        agent::AgentError::Loader(dataplane::loader::LoaderError::Cgroup { .. })
+        | agent::AgentError::Loader(dataplane::loader::LoaderError::Bpffs { .. }) => usage(e.to_string()),
+        other => anyhow!(other),
+    })
+}
+
+fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
+    let maps = KernelMaps::open_pinned(bpffs).map_err(|(map, e)| {
+        anyhow!("--bpffs {}: cannot open pinned map {map} ({e}); is an agent running with this --bpffs?", bpffs.display())
+    })?;
+    let content = maps.read().context("reading the pinned maps")?;
+    let view = list::view(&content, &maps.counters());
+    match output {
+        Output::Table => print!("{}", list::table(&view)),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&view)?),
+    }
+    Ok(())
+}
+
+fn run_cleanup(bpffs: &std::path::Path) -> Result<()> {
+    let removed = dataplane::cleanup(bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;
+    if removed.is_empty() {
+        println!("nothing to clean up in {}", bpffs.display());
+    } else {
+        println!("removed {} pins from {} (programs detached)", removed.len(), bpffs.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,14 @@
+//! The pure model: Kubernetes objects + this node -> what the dataplane must do.
+//!
+//! Everything kube-proxy decides (which Services are proxied, which endpoints count,
+//! traffic policies, affinity, no-endpoint reject) is decided here, without I/O, so it
+//! is unit-tested without root. See `../shared/reference/kube-proxy-contract.md`.
+
+mod compute;
+mod endpoints;
+mod render;
+mod types;
+
+pub use compute::compute;
+pub use render::render;
+pub use types::*;

@@ -1,0 +1,180 @@
+//! The model's output: a plain description of frontends and backend sets.
+
+use std::{collections::BTreeMap, fmt, net::IpAddr};
+
+/// What the model knows about the node it programs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// This node's name: endpoints with `nodeName` equal to it are local.
+    pub name: String,
+    /// Addresses NodePorts are served on (never loopback), both families.
+    pub addresses: Vec<IpAddr>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(addr: &IpAddr) -> IpFamily {
+        if addr.is_ipv4() { IpFamily::V4 } else { IpFamily::V6 }
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        })
+    }
+}
+
+/// kube-proxy's ServicePortName, plus the family: one per family of a dual-stack Service.
+/// Displays as `namespace/name:port/TCP/IPv4` (`port` is the Service port's name, may be empty).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortId {
+    pub namespace: String,
+    pub name: String,
+    pub port_name: String,
+    pub protocol: Protocol,
+    pub family: IpFamily,
+}
+
+impl fmt::Display for ServicePortId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}:{}/{}/{}",
+            self.namespace, self.name, self.port_name, self.protocol, self.family
+        )
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FrontendKind {
+    ClusterIp,
+    ExternalIp,
+    LoadBalancer,
+    NodePort,
+}
+
+impl fmt::Display for FrontendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FrontendKind::ClusterIp => "clusterIP",
+            FrontendKind::ExternalIp => "externalIP",
+            FrontendKind::LoadBalancer => "loadBalancer",
+            FrontendKind::NodePort => "nodePort",
+        })
+    }
+}
+
+/// Where the traffic starts. Socket hooks serve `LocalOrigin`; the tc path (a later
+/// issue) serves `ExternalOrigin`, where externalTrafficPolicy applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Scope {
+    LocalOrigin,
+    ExternalOrigin,
+}
+
+/// One endpoint chosen for a backend set.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    pub addr: IpAddr,
+    pub port: u16,
+    /// Serving but terminating (used only as the fallback set).
+    pub terminating: bool,
+    /// `nodeName` equals this node.
+    pub local: bool,
+}
+
+/// What to do when a backend set is empty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum EmptyAction {
+    /// No usable endpoint anywhere: refuse (ICMP unreachable / ECONNREFUSED).
+    Reject,
+    /// A Local traffic policy found no local endpoint: drop.
+    Drop,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointSet {
+    /// Sorted by (addr, port); empty means `empty_action` applies.
+    pub endpoints: Vec<Endpoint>,
+    pub empty_action: EmptyAction,
+    /// The endpoints are the serving+terminating fallback (no ready endpoint existed).
+    pub terminating_fallback: bool,
+    /// Shaped by a Local traffic policy (internal or external).
+    pub local_policy: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendState {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub kind: FrontendKind,
+    pub scope: Scope,
+    pub set: EndpointSet,
+}
+
+/// Everything one ServicePort (of one family) needs programmed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePortState {
+    pub id: ServicePortId,
+    /// ClientIP affinity timeout in seconds, when `sessionAffinity: ClientIP`.
+    pub affinity_timeout_s: Option<u32>,
+    /// Sorted by (scope, addr, port, kind).
+    pub frontends: Vec<FrontendState>,
+}
+
+/// A bad object or field: reported (logged, counted) and skipped; never fatal.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Problem {
+    /// `Service default/web` or `EndpointSlice default/web-abc12`.
+    pub object: String,
+    /// Field path, e.g. `spec.clusterIPs[1]` or `endpoints[2].addresses[0]`.
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}: {}", self.object, self.field, self.message)
+    }
+}
+
+/// An object (or one of its ports) deliberately not proxied, with the reason. Not an
+/// error; logged once and counted per reason.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Skip {
+    pub object: String,
+    /// Stable, metric-friendly reason: `headless`, `external-name`, `service-proxy-name`,
+    /// `headless-label`, `sctp`, `fqdn-slice`, `no-clusterip-for-family`.
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    pub services: BTreeMap<ServicePortId, ServicePortState>,
+    pub problems: Vec<Problem>,
+    pub skips: Vec<Skip>,
+}

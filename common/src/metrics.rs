@@ -1,0 +1,35 @@
+//! Per-reason counters written by the eBPF programs (per-CPU array, summed by the agent).
+
+/// Per-CPU array `u64`, indexed by `COUNT_*`.
+pub const COUNTERS_MAP: &str = "FERRY_COUNTERS";
+
+/// A connect or datagram was translated to a backend.
+pub const COUNT_XLATE: u32 = 0;
+/// Refused: the Service has no usable endpoint.
+pub const COUNT_REJECT_NO_ENDPOINTS: u32 = 1;
+/// Dropped: a Local traffic policy found no local endpoint.
+pub const COUNT_DROP_NO_LOCAL: u32 = 2;
+/// A backend slot or backend entry was missing (a write was in flight); not translated.
+pub const COUNT_BACKEND_MISSING: u32 = 3;
+/// ClientIP affinity reused a backend.
+pub const COUNT_AFFINITY_HIT: u32 = 4;
+/// A reply source or peer name was translated back to the Service address.
+pub const COUNT_REVNAT: u32 = 5;
+/// Affinity or stickiness entry could not be stored (map full).
+pub const COUNT_AFFINITY_FULL: u32 = 6;
+/// Reverse-NAT entry could not be stored (map full).
+pub const COUNT_REVNAT_FULL: u32 = 7;
+
+pub const COUNTERS_LEN: u32 = 8;
+
+/// Names for the metrics endpoint and `ferry list`, indexed by `COUNT_*`.
+pub const COUNTER_NAMES: [&str; COUNTERS_LEN as usize] = [
+    "translated",
+    "rejected_no_endpoints",
+    "dropped_no_local_endpoints",
+    "backend_missing",
+    "affinity_hit",
+    "reverse_translated",
+    "affinity_map_full",
+    "revnat_map_full",
+];

@@ -1,0 +1,123 @@
+//! Frontend lookup and backend selection, shared by every hook.
+
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
+use ferry_common::{
+    Addr,
+    lb::{
+        AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, Backend,
+        MAX_BACKENDS_PER_SERVICE, MemberKey, SVC_F_AFFINITY, SVC_F_DROP, ServiceKey,
+    },
+    metrics::{
+        COUNT_AFFINITY_FULL, COUNT_AFFINITY_HIT, COUNT_BACKEND_MISSING, COUNT_DROP_NO_LOCAL,
+        COUNT_REJECT_NO_ENDPOINTS,
+    },
+};
+
+use crate::maps::{AFFINITY, BACKENDS, MEMBERS, SERVICES, count};
+
+/// How long an unconnected UDP socket keeps its backend without traffic (kube-proxy
+/// relies on nf_conntrack's UDP timeout, 30 s by default).
+const UDP_STICKY_NS: u64 = 30 * 1_000_000_000;
+
+pub(crate) enum Verdict {
+    /// Not a Service frontend (or a write is in flight): leave the socket alone.
+    Pass,
+    /// Translate to this backend; `svc_id` identifies the ServicePort.
+    Forward { backend: Backend, svc_id: u32 },
+    /// No endpoint at all: refuse.
+    Reject,
+    /// Local traffic policy with no local endpoint: drop.
+    Drop,
+}
+
+/// Who is asking, for affinity and stickiness.
+pub(crate) struct Client {
+    /// Network namespace cookie: one per pod, one for the host (ClientIP affinity key).
+    pub(crate) netns: u64,
+    /// Socket cookie when the caller wants per-socket stickiness (unconnected UDP).
+    pub(crate) sticky_socket: Option<u64>,
+}
+
+#[inline(always)]
+pub(crate) fn select(addr: Addr, port: u16, proto: u8, scope: u8, client: &Client) -> Verdict {
+    let mut key = ServiceKey { addr, port, slot: 0, proto, scope, _pad: [0; 2] };
+    // SAFETY: values are plain data; a concurrent update can at worst give a stale copy.
+    let svc = match unsafe { SERVICES.get(&key) } {
+        Some(v) => *v,
+        None => return Verdict::Pass,
+    };
+    if svc.count == 0 {
+        if svc.flags & SVC_F_DROP != 0 {
+            count(COUNT_DROP_NO_LOCAL);
+            return Verdict::Drop;
+        }
+        count(COUNT_REJECT_NO_ENDPOINTS);
+        return Verdict::Reject;
+    }
+    let now = unsafe { bpf_ktime_get_ns() };
+    let affinity_key = if svc.flags & SVC_F_AFFINITY != 0 {
+        Some((
+            AffinityKey { client: client.netns, svc_id: svc.svc_id, kind: AFFINITY_KIND_CLIENT },
+            svc.affinity_timeout_s as u64 * 1_000_000_000,
+        ))
+    } else {
+        client.sticky_socket.map(|cookie| {
+            (
+                AffinityKey { client: cookie, svc_id: svc.svc_id, kind: AFFINITY_KIND_SOCKET },
+                UDP_STICKY_NS,
+            )
+        })
+    };
+
+    if let Some((akey, timeout_ns)) = affinity_key {
+        if let Some(backend) = remembered_backend(&akey, svc.svc_id, now, timeout_ns) {
+            count(COUNT_AFFINITY_HIT);
+            return Verdict::Forward { backend, svc_id: svc.svc_id };
+        }
+    }
+
+    let n = if svc.count > MAX_BACKENDS_PER_SERVICE { MAX_BACKENDS_PER_SERVICE } else { svc.count };
+    // SAFETY: helper without preconditions.
+    let r = unsafe { bpf_get_prandom_u32() };
+    key.slot = (r % n as u32) as u16 + 1;
+    let backend_id = match unsafe { SERVICES.get(&key) } {
+        Some(v) => v.backend_id,
+        None => {
+            count(COUNT_BACKEND_MISSING);
+            return Verdict::Pass;
+        }
+    };
+    let backend = match unsafe { BACKENDS.get(&backend_id) } {
+        Some(b) => *b,
+        None => {
+            count(COUNT_BACKEND_MISSING);
+            return Verdict::Pass;
+        }
+    };
+    if let Some((akey, _)) = affinity_key {
+        let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
+        if AFFINITY.insert(&akey, &value, 0).is_err() {
+            count(COUNT_AFFINITY_FULL);
+        }
+    }
+    Verdict::Forward { backend, svc_id: svc.svc_id }
+}
+
+/// The backend an affinity or stickiness entry points at, if the entry is fresh and the
+/// backend still belongs to the service. Refreshes the entry's timestamp.
+#[inline(always)]
+fn remembered_backend(akey: &AffinityKey, svc_id: u32, now: u64, timeout_ns: u64) -> Option<Backend> {
+    let entry = AFFINITY.get_ptr_mut(akey)?;
+    // SAFETY: pointer from a successful lookup; LRU entries stay valid for this program run.
+    let value = unsafe { &mut *entry };
+    if now.wrapping_sub(value.last_used_ns) > timeout_ns {
+        return None;
+    }
+    let member = MemberKey { svc_id, backend_id: value.backend_id };
+    // SAFETY: read-only lookup of plain data.
+    unsafe { MEMBERS.get(&member) }?;
+    // SAFETY: as above.
+    let backend = unsafe { BACKENDS.get(&value.backend_id) }?;
+    value.last_used_ns = now;
+    Some(*backend)
+}

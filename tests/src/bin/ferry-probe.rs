@@ -1,0 +1,130 @@
+//! A client for tests. Prints one JSON object per attempt on stdout:
+//! `{"ok":true,"reply":"pod1 hi","peer":"10.96.0.10:80","from":null,"errno":null,"ms":1}`.
+//!
+//! - `ferry-probe tcp ADDR [COUNT]`: connect, getpeername, send `hi`, read a line.
+//! - `ferry-probe udp ADDR [COUNT]`: unconnected sendto + recvfrom (`from` = reply source).
+//! - `ferry-probe udp-connected ADDR [COUNT]`: connect + send + recv + getpeername.
+//! - `ferry-probe tcp-session ADDR`: one connection; each stdin line is sent and its
+//!   reply printed, so a test can prove an established connection keeps working.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+#[derive(serde::Serialize, Default)]
+struct Outcome {
+    ok: bool,
+    reply: Option<String>,
+    peer: Option<String>,
+    from: Option<String>,
+    errno: Option<i32>,
+    error: Option<String>,
+    ms: u128,
+}
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+fn fail(e: std::io::Error, started: Instant) -> Outcome {
+    Outcome { errno: e.raw_os_error(), error: Some(e.to_string()), ms: started.elapsed().as_millis(), ..Default::default() }
+}
+
+fn tcp(addr: SocketAddr) -> Outcome {
+    let t = Instant::now();
+    let s = match TcpStream::connect_timeout(&addr, TIMEOUT) {
+        Ok(s) => s,
+        Err(e) => return fail(e, t),
+    };
+    let peer = s.peer_addr().ok().map(|p| p.to_string());
+    s.set_read_timeout(Some(TIMEOUT)).ok();
+    let mut w = s.try_clone().expect("clone");
+    if let Err(e) = w.write_all(b"hi\n") {
+        return fail(e, t);
+    }
+    let mut line = String::new();
+    match BufReader::new(s).read_line(&mut line) {
+        Ok(n) if n > 0 => Outcome { ok: true, reply: Some(line.trim().into()), peer, ms: t.elapsed().as_millis(), ..Default::default() },
+        Ok(_) => Outcome { peer, error: Some("connection closed without reply".into()), ms: t.elapsed().as_millis(), ..Default::default() },
+        Err(e) => Outcome { peer, ..fail(e, t) },
+    }
+}
+
+fn bind_any(addr: &SocketAddr) -> std::io::Result<UdpSocket> {
+    let s = if addr.is_ipv4() { UdpSocket::bind("0.0.0.0:0")? } else { UdpSocket::bind("[::]:0")? };
+    s.set_read_timeout(Some(TIMEOUT))?;
+    Ok(s)
+}
+
+fn udp(addr: SocketAddr, connected: bool) -> Outcome {
+    let t = Instant::now();
+    let run = || -> std::io::Result<Outcome> {
+        let s = bind_any(&addr)?;
+        let mut buf = [0u8; 2048];
+        if connected {
+            s.connect(addr)?;
+            s.send(b"hi")?;
+            let (n, from) = s.recv_from(&mut buf)?;
+            let peer = s.peer_addr().ok().map(|p| p.to_string());
+            return Ok(Outcome {
+                ok: true,
+                reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
+                peer,
+                from: Some(from.to_string()),
+                ..Default::default()
+            });
+        }
+        s.send_to(b"hi", addr)?;
+        let (n, from) = s.recv_from(&mut buf)?;
+        Ok(Outcome { ok: true, reply: Some(String::from_utf8_lossy(&buf[..n]).into()), from: Some(from.to_string()), ..Default::default() })
+    };
+    match run() {
+        Ok(o) => Outcome { ms: t.elapsed().as_millis(), ..o },
+        Err(e) => fail(e, t),
+    }
+}
+
+fn session(addr: SocketAddr) {
+    let s = TcpStream::connect_timeout(&addr, TIMEOUT).expect("connect");
+    s.set_read_timeout(Some(TIMEOUT)).ok();
+    let mut w = s.try_clone().expect("clone");
+    let mut r = BufReader::new(s);
+    println!("connected");
+    std::io::stdout().flush().ok();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let t = Instant::now();
+        let out = match writeln!(w, "{line}") {
+            Err(e) => fail(e, t),
+            Ok(()) => {
+                let mut reply = String::new();
+                match r.read_line(&mut reply) {
+                    Ok(n) if n > 0 => Outcome { ok: true, reply: Some(reply.trim().into()), ms: t.elapsed().as_millis(), ..Default::default() },
+                    Ok(_) => Outcome { error: Some("closed".into()), ..Default::default() },
+                    Err(e) => fail(e, t),
+                }
+            }
+        };
+        println!("{}", serde_json::to_string(&out).unwrap());
+        std::io::stdout().flush().ok();
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().map(String::as_str).unwrap_or("");
+    let addr: SocketAddr = args.get(1).and_then(|a| a.parse().ok()).expect("usage: ferry-probe MODE ADDR:PORT [COUNT]");
+    let count: usize = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(1);
+    if mode == "tcp-session" {
+        return session(addr);
+    }
+    for _ in 0..count {
+        let out = match mode {
+            "tcp" => tcp(addr),
+            "udp" => udp(addr, false),
+            "udp-connected" => udp(addr, true),
+            _ => panic!("unknown mode {mode}"),
+        };
+        println!("{}", serde_json::to_string(&out).unwrap());
+    }
+}

@@ -1,0 +1,79 @@
+//! Builders for the Service and EndpointSlice YAML that tests write.
+
+use std::fmt::Write as _;
+
+/// A Service port: (name, port, protocol).
+pub type Port<'a> = (&'a str, u16, &'a str);
+
+#[derive(Clone, Debug)]
+pub struct Ep {
+    pub ip: String,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node: Option<String>,
+}
+
+/// A ready endpoint.
+pub fn ep(ip: impl ToString) -> Ep {
+    Ep { ip: ip.to_string(), ready: true, serving: true, terminating: false, node: None }
+}
+
+impl Ep {
+    pub fn on(mut self, node: &str) -> Ep {
+        self.node = Some(node.into());
+        self
+    }
+    pub fn terminating(mut self, serving: bool) -> Ep {
+        self.ready = false;
+        self.serving = serving;
+        self.terminating = true;
+        self
+    }
+}
+
+/// A ClusterIP Service. `extra_spec` is indented YAML added under `spec:` (e.g.
+/// `"  sessionAffinity: ClientIP\n"`); ports are (name, port, protocol).
+pub fn service(name: &str, cluster_ips: &[&str], ports: &[Port<'_>], extra_spec: &str) -> String {
+    let mut s = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  clusterIP: {}\n  clusterIPs: [{}]\n",
+        cluster_ips[0],
+        cluster_ips.join(", ")
+    );
+    s.push_str("  ports:\n");
+    for (pname, port, proto) in ports {
+        let _ = writeln!(s, "  - name: \"{pname}\"\n    port: {port}\n    protocol: {proto}");
+    }
+    s.push_str(extra_spec);
+    s
+}
+
+/// An EndpointSlice of `svc`; ports are (name, targetPort, protocol).
+pub fn slice(svc: &str, slice_name: &str, family: &str, ports: &[Port<'_>], eps: &[Ep]) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {slice_name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: {family}\nports:\n"
+    );
+    for (pname, port, proto) in ports {
+        let _ = writeln!(s, "- name: \"{pname}\"\n  port: {port}\n  protocol: {proto}");
+    }
+    s.push_str("endpoints:\n");
+    for e in eps {
+        let _ = writeln!(
+            s,
+            "- addresses: [\"{}\"]\n  conditions: {{ready: {}, serving: {}, terminating: {}}}",
+            e.ip, e.ready, e.serving, e.terminating
+        );
+        if let Some(n) = &e.node {
+            let _ = writeln!(s, "  nodeName: {n}");
+        }
+    }
+    if eps.is_empty() {
+        s = s.replace("endpoints:\n", "endpoints: []\n");
+    }
+    s
+}
+
+/// Joins documents into one multi-document YAML file.
+pub fn docs(parts: &[String]) -> String {
+    parts.join("---\n")
+}

@@ -1,0 +1,45 @@
+//! `cargo xtask <command>`: the developer commands. Every failure says which command
+//! failed and what to run to fix it.
+
+mod build;
+mod setup;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "ferry developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what a fresh Debian machine lacks (packages, bpf-linker). Idempotent.
+    Setup,
+    /// Build the eBPF object into target/bpf/ferry.bpf.o.
+    BuildEbpf,
+    /// Build the eBPF object, then target/release/ferry and the test helpers.
+    Build,
+    /// Run every test CI runs: unit tests, then kernel tests as root (one at a time).
+    Test {
+        /// Only the unit tests (no root, no BPF toolchain needed).
+        #[arg(long)]
+        unit_only: bool,
+        /// Extra filter passed to the kernel test binary.
+        filter: Option<String>,
+    },
+    /// Show ferry at work in a small world of network namespaces (root).
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Setup => setup::run(),
+        Cmd::BuildEbpf => build::ebpf(),
+        Cmd::Build => build::all(),
+        Cmd::Test { unit_only, filter } => build::test(unit_only, filter.as_deref()),
+        Cmd::Demo => build::demo(),
+    }
+}
