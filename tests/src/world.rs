@@ -365,6 +365,43 @@ impl Drop for World {
     }
 }
 
+/// What a world made, by name and pid, so a signal handler can remove it when the
+/// process is interrupted (Drop does not run on Ctrl-C).
+#[derive(Clone, Debug)]
+pub struct Teardown {
+    pids: Vec<i32>,
+    netns: Vec<String>,
+    cgroup: PathBuf,
+    bpffs: PathBuf,
+    workdir: PathBuf,
+}
+
+impl Teardown {
+    pub fn run(&self) {
+        for pid in &self.pids {
+            // SAFETY: signalling processes this world started.
+            unsafe { libc::kill(*pid, libc::SIGKILL) };
+        }
+        sh_quiet(&format!("{} cleanup --bpffs {}", bin("ferry").display(), self.bpffs.display()));
+        let _ = fs::remove_dir(&self.cgroup);
+        for ns in &self.netns {
+            sh_quiet(&format!("ip netns del {ns}"));
+        }
+        let _ = fs::remove_dir_all(&self.workdir);
+    }
+}
+
+impl World {
+    /// A snapshot of what to remove; take it after the agent started.
+    pub fn teardown(&self) -> Teardown {
+        let mut pids: Vec<i32> = self.pods.iter().filter_map(|p| p.server.as_ref().map(|c| c.id() as i32)).collect();
+        pids.extend(self.agent.as_ref().map(|a| a.id() as i32));
+        let mut netns: Vec<String> = self.pods.iter().map(|p| p.netns.clone()).collect();
+        netns.push(self.node_ns.clone());
+        Teardown { pids, netns, cgroup: self.cgroup.clone(), bpffs: self.bpffs.clone(), workdir: self.workdir.clone() }
+    }
+}
+
 /// A plain HTTP GET from inside `netns` (on a helper thread that joins the namespace).
 pub fn http_get(netns: &str, port: u16, path: &str) -> Result<(u16, String), String> {
     let ns = format!("/run/netns/{netns}");

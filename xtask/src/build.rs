@@ -108,7 +108,8 @@ pub(crate) fn all() -> Result<()> {
 
 pub(crate) fn test(unit_only: bool, filter: Option<&str>) -> Result<()> {
     let mut unit = cargo();
-    unit.args(["test", "--release", "--workspace", "--exclude", "ferry-tests"]);
+    // Release, so the kernel tests below reuse the same build of every dependency.
+    unit.args(["test", "--release", "--workspace", "--exclude", "ferry-tests", "--exclude", "ferry-ebpf"]);
     run(&mut unit, "unit tests")?;
     if unit_only {
         return Ok(());
