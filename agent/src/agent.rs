@@ -172,11 +172,12 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         );
     }
     let _ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
+    let capacity = loaded.capacity;
     let mut syncer = Syncer {
         ids: Ids::adopt(&current),
         maps: loaded.maps,
         current,
-        capacity: cfg.load.capacity,
+        capacity,
         node: NodeInfo { name: cfg.node_name.clone(), addresses: node_addresses(&cfg)? },
         status: status.clone(),
         seen_problems: BTreeSet::new(),
@@ -188,11 +189,15 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     for e in &first.errors {
         error!("{e}");
     }
+    status.lock().expect("status lock").source_errors = crate::source::manifests::failing_files(&first.errors);
     let mut objects = Arc::new(source.objects());
     syncer.sync(&objects);
 
     let (tx, mut rx) = watch::channel(objects.clone());
-    tokio::spawn(crate::source::manifests::watch(source, MANIFEST_POLL, tx));
+    let scan_status = status.clone();
+    tokio::spawn(crate::source::manifests::watch_with(source, MANIFEST_POLL, tx, move |scan| {
+        scan_status.lock().expect("status lock").source_errors = crate::source::manifests::failing_files(&scan.errors);
+    }));
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);

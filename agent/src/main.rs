@@ -7,7 +7,7 @@ use anyhow::{Context, Result, anyhow};
 use clap::{Parser, Subcommand, ValueEnum};
 use ferry::{
     agent::{self, AgentConfig},
-    dataplane::{self, Capacity, KernelMaps, LoadOptions},
+    dataplane::{self, Capacity, KernelMaps, LoadOptions, loader::MAX_CAPACITY},
     list, node,
     source::manifests,
 };
@@ -78,10 +78,10 @@ struct AgentArgs {
     #[arg(long, default_value = "127.0.0.1:10249")]
     metrics_addr: std::net::SocketAddr,
     /// Service map capacity: one entry per frontend plus one per backend slot.
-    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
     max_services: u32,
     /// Backend map capacity (distinct address, port, protocol).
-    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
     max_backends: u32,
     /// Session-affinity and UDP stickiness entries (LRU).
     #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
@@ -165,10 +165,8 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         tracing::warn!(devices = ?a.devices, "--devices: the tc path is not in this release; only socket hooks are attached");
     }
     let node_ips = if a.node_ip.is_empty() { None } else { Some(a.node_ip.clone()) };
-    if let Some(ips) = &node_ips {
-        if let Some(bad) = ips.iter().find(|ip| !node::usable_for_nodeport(ip)) {
-            return Err(usage(format!("--node-ip {bad}: loopback, link-local and unspecified addresses never serve NodePorts")));
-        }
+    if let Some(bad) = node_ips.iter().flatten().find(|ip| !node::usable_for_nodeport(ip)) {
+        return Err(usage(format!("--node-ip {bad}: loopback, link-local and unspecified addresses never serve NodePorts")));
     }
     let cfg = AgentConfig {
         manifests,

@@ -5,7 +5,8 @@ use ferry_common::{
     Addr,
     lb::{
         AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, Backend,
-        MAX_BACKENDS_PER_SERVICE, MemberKey, SVC_F_AFFINITY, SVC_F_DROP, ServiceKey,
+        BACKEND_F_LOCAL, BACKEND_F_TERMINATING, MAX_BACKENDS_PER_SERVICE, MemberKey,
+        SVC_F_AFFINITY, SVC_F_DROP, SVC_F_LOCAL_POLICY, SVC_F_TERMINATING_FALLBACK, ServiceKey,
     },
     metrics::{
         COUNT_AFFINITY_FULL, COUNT_AFFINITY_HIT, COUNT_BACKEND_MISSING, COUNT_DROP_NO_LOCAL,
@@ -70,7 +71,7 @@ pub(crate) fn select(addr: Addr, port: u16, proto: u8, scope: u8, client: &Clien
     };
 
     if let Some((akey, timeout_ns)) = affinity_key {
-        if let Some(backend) = remembered_backend(&akey, svc.svc_id, now, timeout_ns) {
+        if let Some(backend) = remembered_backend(&akey, svc.svc_id, svc.flags, now, timeout_ns) {
             count(COUNT_AFFINITY_HIT);
             return Verdict::Forward { backend, svc_id: svc.svc_id };
         }
@@ -104,9 +105,9 @@ pub(crate) fn select(addr: Addr, port: u16, proto: u8, scope: u8, client: &Clien
 }
 
 /// The backend an affinity or stickiness entry points at, if the entry is fresh and the
-/// backend still belongs to the service. Refreshes the entry's timestamp.
+/// backend still belongs to this frontend's set. Refreshes the entry's timestamp.
 #[inline(always)]
-fn remembered_backend(akey: &AffinityKey, svc_id: u32, now: u64, timeout_ns: u64) -> Option<Backend> {
+fn remembered_backend(akey: &AffinityKey, svc_id: u32, svc_flags: u16, now: u64, timeout_ns: u64) -> Option<Backend> {
     let entry = AFFINITY.get_ptr_mut(akey)?;
     // SAFETY: pointer from a successful lookup; LRU entries stay valid for this program run.
     let value = unsafe { &mut *entry };
@@ -118,6 +119,15 @@ fn remembered_backend(akey: &AffinityKey, svc_id: u32, now: u64, timeout_ns: u64
     unsafe { MEMBERS.get(&member) }?;
     // SAFETY: as above.
     let backend = unsafe { BACKENDS.get(&value.backend_id) }?;
+    // MEMBERS is per ServicePort, but its frontends' sets can differ: a Local ClusterIP
+    // next to a cluster-wide NodePort or externalIP, a terminating fallback next to ready
+    // endpoints. A backend remembered through another frontend must fit this one's set.
+    if svc_flags & SVC_F_LOCAL_POLICY != 0 && backend.flags & BACKEND_F_LOCAL == 0 {
+        return None;
+    }
+    if backend.flags & BACKEND_F_TERMINATING != 0 && svc_flags & SVC_F_TERMINATING_FALLBACK == 0 {
+        return None;
+    }
     value.last_used_ns = now;
     Some(*backend)
 }

@@ -77,3 +77,20 @@ pub fn slice(svc: &str, slice_name: &str, family: &str, ports: &[Port<'_>], eps:
 pub fn docs(parts: &[String]) -> String {
     parts.join("---\n")
 }
+
+/// Adds metadata labels to a document built by [`service`] (which has none of its own).
+pub fn with_labels(doc: &str, labels: &[(&str, &str)]) -> String {
+    let mut block = String::from("  namespace: default\n  labels:\n");
+    for (k, v) in labels {
+        let _ = writeln!(block, "    {k}: \"{v}\"");
+    }
+    doc.replacen("  namespace: default\n", &block, 1)
+}
+
+/// Adds lines under the port entry `port` of a document built by [`service`]
+/// (e.g. `"    nodePort: 30080\n    targetPort: http\n"`).
+pub fn with_port_fields(doc: &str, port: u16, fields: &str) -> String {
+    let needle = format!("    port: {port}\n");
+    assert!(doc.contains(&needle), "no port {port} in {doc}");
+    doc.replacen(&needle, &format!("{needle}{fields}"), 1)
+}

@@ -86,8 +86,13 @@ impl KernelMaps {
 
     /// Applies a plan in its order. A frontend whose slot or backend write failed keeps
     /// its previous slot 0, so the kernel never publishes a count it cannot serve.
+    /// Whole frontends that go away are removed first: nothing new refers to them, and in
+    /// a full map their entries are the room the new frontends are planned into.
     pub fn apply(&mut self, plan: &Plan) -> ApplyReport {
         let mut r = ApplyReport::default();
+        for k in &plan.frontend_deletes {
+            self.delete_service(k, &mut r);
+        }
         let mut failed_backends = Vec::new();
         for (id, b) in &plan.backend_upserts {
             match self.backends.insert(id, b, 0) {
@@ -137,9 +142,6 @@ impl KernelMaps {
             for k in &f.slot_deletes {
                 self.delete_service(k, &mut r);
             }
-        }
-        for k in &plan.frontend_deletes {
-            self.delete_service(k, &mut r);
         }
         for m in &plan.member_deletes {
             match self.members.remove(m) {

@@ -45,6 +45,12 @@ pub const ALL_MAPS: [&str; 7] =
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
+/// Kernel map size per unit of planning capacity (see `load_and_attach`).
+pub const HEADROOM: u32 = 2;
+
+/// Largest capacity a flag may ask for (keeps `capacity * HEADROOM` in range).
+pub const MAX_CAPACITY: u32 = 1 << 24;
+
 #[derive(Debug, thiserror::Error)]
 pub enum LoaderError {
     #[error(
@@ -91,6 +97,8 @@ pub struct Loaded {
     pub maps: KernelMaps,
     /// True when pinned state from an earlier agent was adopted.
     pub adopted: bool,
+    /// The maps' real capacity (pinned maps keep their size across restarts).
+    pub capacity: Capacity,
 }
 
 fn links_dir(bpffs: &Path) -> PathBuf {
@@ -164,18 +172,20 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         Some(_) => true,
         None => false,
     };
-    warn_on_capacity_change(opts);
+    let capacity = effective_capacity(opts);
 
     let pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, opts.bpffs.join(m))).collect();
     let mut loader = EbpfLoader::new();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
+    // Kernel maps get twice the planning capacity: during one apply the old and the new
+    // content briefly coexist (inserts go before deletes), and that must never overflow.
     loader
-        .map_max_entries(SERVICES_MAP, opts.capacity.services)
-        .map_max_entries(BACKENDS_MAP, opts.capacity.backends)
-        // A service's members are at most its backends; one membership per backend slot.
-        .map_max_entries(MEMBERS_MAP, opts.capacity.services)
+        .map_max_entries(SERVICES_MAP, opts.capacity.services * HEADROOM)
+        .map_max_entries(BACKENDS_MAP, opts.capacity.backends * HEADROOM)
+        // A service's members are at most its backend slots.
+        .map_max_entries(MEMBERS_MAP, opts.capacity.services * HEADROOM)
         .map_max_entries(AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries);
     let mut ebpf = loader.load(OBJECT)?;
@@ -191,22 +201,28 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         attach_or_swap(&mut ebpf, name, &cgroup, cgroup_id, &opts.bpffs)?;
     }
     let maps = KernelMaps::from_ebpf(&mut ebpf).map_err(|(map, source)| LoaderError::Map { map, source })?;
-    Ok(Loaded { ebpf, maps, adopted })
+    Ok(Loaded { ebpf, maps, adopted, capacity })
 }
 
-fn warn_on_capacity_change(opts: &LoadOptions) {
-    for (name, want) in [(SERVICES_MAP, opts.capacity.services), (BACKENDS_MAP, opts.capacity.backends)] {
-        let Ok(data) = MapData::from_pin(opts.bpffs.join(name)) else { continue };
-        if let Ok(info) = data.info() {
-            if info.max_entries() != want {
-                warn!(
-                    map = name,
-                    pinned = info.max_entries(),
-                    requested = want,
-                    "pinned map keeps its size; a new size takes effect after `ferry cleanup`"
-                );
-            }
+/// The capacity the maps really have: pinned maps keep the size they were created with,
+/// so the planner must plan against that, not against the flags.
+fn effective_capacity(opts: &LoadOptions) -> Capacity {
+    let pinned = |name: &str, want: u32| -> u32 {
+        let Ok(info) = MapData::from_pin(opts.bpffs.join(name)).and_then(|d| d.info()) else { return want };
+        let pinned = info.max_entries() / HEADROOM;
+        if pinned != want {
+            warn!(
+                map = name,
+                pinned,
+                requested = want,
+                "pinned map keeps its size; a new size takes effect after `ferry cleanup`"
+            );
         }
+        pinned
+    };
+    Capacity {
+        services: pinned(SERVICES_MAP, opts.capacity.services),
+        backends: pinned(BACKENDS_MAP, opts.capacity.backends),
     }
 }
 

@@ -1,8 +1,9 @@
 //! Pure planning: desired state -> map content -> ordered writes.
 //!
-//! Write order keeps the kernel consistent at every step (DESIGN.md §1): backends, then
-//! membership, then backend slots, then the frontend's slot 0 (which publishes the new
-//! count) and only then the removal of slots, members and backends nobody uses.
+//! Write order keeps the kernel consistent at every step (DESIGN.md §1): whole frontends
+//! that go away first (their entries are the room a full map has for new ones), then
+//! backends, membership, backend slots, then the frontend's slot 0 (which publishes the
+//! new count) and only then the removal of slots, members and backends nobody uses.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -238,7 +239,8 @@ pub fn desired_content(
         desired.services.values().partition(|sp| {
             sp.frontends.iter().any(|f| current.services.contains_key(&slot0_key(f, sp.id.protocol)))
         });
-    let mut taken = BTreeSet::new();
+    // Ids held by known ServicePorts are never adopted by another one.
+    let mut taken: BTreeSet<u32> = ids.services.values().copied().collect();
     let mut placed = BTreeSet::new();
     let mut backend_tuples: BTreeSet<BackendTuple> = BTreeSet::new();
     for sp in live.into_iter().chain(new) {
@@ -335,7 +337,7 @@ pub struct Plan {
     pub backend_upserts: Vec<(u32, Backend)>,
     pub member_upserts: Vec<MemberKey>,
     pub frontends: Vec<FrontendWrites>,
-    /// Whole frontends to remove: slot 0 first, then its slots.
+    /// Whole frontends to remove (applied first): slot 0 first, then its slots.
     pub frontend_deletes: Vec<ServiceKey>,
     pub member_deletes: Vec<MemberKey>,
     pub backend_deletes: Vec<u32>,
@@ -467,4 +469,862 @@ pub fn flag_names(flags: u16) -> String {
     ];
     let names: Vec<&str> = NAMES.iter().filter(|(f, _)| flags & f != 0).map(|(_, n)| *n).collect();
     if names.is_empty() { "-".into() } else { names.join(",") }
+}
+
+/// Planner tests: Kubernetes YAML -> model -> map content / plan, compared as text.
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::fmt::Write as _;
+
+    use ferry_common::lb::{BACKENDS_MAP, MAX_BACKENDS_PER_SERVICE, SERVICES_MAP};
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+    use serde::Deserialize;
+
+    use super::*;
+    use crate::model::{self, IpFamily, NodeInfo};
+
+    /// Strips the common indentation of an indented raw string, and blank edges.
+    pub(crate) fn dedent(text: &str) -> String {
+        let lines: Vec<&str> = text.lines().skip_while(|l| l.trim().is_empty()).collect();
+        let indent =
+            lines.iter().filter(|l| !l.trim().is_empty()).map(|l| l.len() - l.trim_start().len()).min().unwrap_or(0);
+        let mut out: Vec<&str> = lines.iter().map(|l| l.get(indent..).unwrap_or("").trim_end()).collect();
+        while out.last().is_some_and(|l| l.is_empty()) {
+            out.pop();
+        }
+        out.iter().map(|l| format!("{l}\n")).collect()
+    }
+
+    /// `node-a`, serving NodePorts on 192.168.1.10.
+    fn node() -> NodeInfo {
+        NodeInfo { name: "node-a".into(), addresses: vec!["192.168.1.10".parse().unwrap()] }
+    }
+
+    /// Services and EndpointSlices from a multi-document YAML stream -> the model's output.
+    /// The fixtures are meant to be valid: any model problem fails the test.
+    pub(crate) fn desired(yaml: &str) -> DesiredState {
+        let (mut services, mut slices): (Vec<Service>, Vec<EndpointSlice>) = (vec![], vec![]);
+        for doc in serde_yaml::Deserializer::from_str(&dedent(yaml)) {
+            let value = serde_yaml::Value::deserialize(doc).expect("valid YAML");
+            match value.get("kind").and_then(|k| k.as_str()) {
+                Some("Service") => services.push(serde_yaml::from_value(value).expect("a Service")),
+                Some("EndpointSlice") => slices.push(serde_yaml::from_value(value).expect("an EndpointSlice")),
+                None => {} // empty document
+                other => panic!("unexpected kind {other:?}"),
+            }
+        }
+        let state = model::compute(&services, &slices, &node());
+        assert!(state.problems.is_empty(), "fixture has problems: {:?}", state.problems);
+        state
+    }
+
+    /// A ClusterIP Service `default/<name>` with port `http` 80 -> 8080 and, when
+    /// `endpoints` is not empty, one EndpointSlice with them (all on node-b, ready).
+    pub(crate) fn web(name: &str, cluster_ip: &str, endpoints: &[&str]) -> String {
+        let mut s = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\n\
+             spec: {{clusterIP: {cluster_ip}, ports: [{{name: http, port: 80}}]}}\n"
+        );
+        if !endpoints.is_empty() {
+            let _ = write!(
+                s,
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\n\
+                 metadata: {{name: {name}-a, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\n\
+                 addressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints:\n"
+            );
+            for e in endpoints {
+                let _ = writeln!(s, "- {{addresses: [{e}], nodeName: node-b}}");
+            }
+        }
+        s
+    }
+
+    /// Joins YAML documents into one stream.
+    pub(crate) fn docs(parts: &[String]) -> String {
+        parts.iter().map(|p| dedent(p)).collect::<Vec<_>>().join("---\n")
+    }
+
+    /// One agent's planning state, as `agent.rs` keeps it; applying a plan is simulated.
+    pub(crate) struct Planner {
+        pub(crate) ids: Ids,
+        pub(crate) current: MapContent,
+        pub(crate) cap: Capacity,
+    }
+
+    impl Planner {
+        pub(crate) fn new() -> Planner {
+            Planner { ids: Ids::default(), current: MapContent::default(), cap: Capacity::default() }
+        }
+
+        /// A fresh agent over maps a previous one left pinned.
+        pub(crate) fn restart(current: MapContent, cap: Capacity) -> Planner {
+            Planner { ids: Ids::adopt(&current), current, cap }
+        }
+
+        /// Plans `yaml`, applies the plan write by write (checking the kernel stays
+        /// consistent after every write) and checks it reaches the planned content.
+        pub(crate) fn sync(&mut self, yaml: &str) -> (Plan, Vec<PlanError>) {
+            let state = desired(yaml);
+            let (content, errors) = desired_content(&state, &mut self.ids, &self.current, self.cap);
+            let plan = diff(&self.current, &content);
+            let applied = apply(&self.current, &plan);
+            assert!(applied == content, "applying the plan does not reach the planned content:\n{}", render_plan(&plan));
+            self.current = content;
+            (plan, errors)
+        }
+
+        pub(crate) fn text(&self) -> String {
+            render_content(&self.current)
+        }
+    }
+
+    /// What the datapath relies on at every step: slot 0's count slots exist, each
+    /// pointing at a backend that exists.
+    fn check_consistent(c: &MapContent, after: &str) {
+        for (k, v) in c.services.iter().filter(|(k, _)| k.slot == 0) {
+            for slot in 1..=v.count {
+                let Some(s) = c.services.get(&ServiceKey { slot, ..*k }) else {
+                    panic!("after {after}: {} slot {slot} of count {} is missing", key_text(k), v.count);
+                };
+                assert!(
+                    c.backends.contains_key(&s.backend_id),
+                    "after {after}: {} slot {slot} points at absent backend {}",
+                    key_text(k),
+                    s.backend_id
+                );
+            }
+        }
+    }
+
+    /// Applies `plan` to a copy of `current` in the kernel's order (mirrors `KernelMaps::apply`).
+    fn apply(current: &MapContent, plan: &Plan) -> MapContent {
+        let mut c = current.clone();
+        let step = |c: &mut MapContent, what: String, f: &mut dyn FnMut(&mut MapContent)| {
+            f(c);
+            check_consistent(c, &what);
+        };
+        for k in &plan.frontend_deletes {
+            step(&mut c, format!("delete {}", key_text(k)), &mut |c| {
+                c.services.remove(k);
+            });
+        }
+        for (id, b) in &plan.backend_upserts {
+            step(&mut c, format!("backend upsert {id}"), &mut |c| {
+                c.backends.insert(*id, *b);
+            });
+        }
+        for m in &plan.member_upserts {
+            step(&mut c, format!("member upsert {m:?}"), &mut |c| {
+                c.members.insert(*m);
+            });
+        }
+        for f in &plan.frontends {
+            for (k, v) in &f.slot_upserts {
+                step(&mut c, format!("upsert {}", key_text(k)), &mut |c| {
+                    c.services.insert(*k, *v);
+                });
+            }
+            if let Some(v) = f.slot0_value {
+                step(&mut c, format!("upsert {}", key_text(&f.slot0)), &mut |c| {
+                    c.services.insert(f.slot0, v);
+                });
+            }
+            for k in &f.slot_deletes {
+                step(&mut c, format!("delete {}", key_text(k)), &mut |c| {
+                    c.services.remove(k);
+                });
+            }
+        }
+        for m in &plan.member_deletes {
+            c.members.remove(m);
+        }
+        for id in &plan.backend_deletes {
+            step(&mut c, format!("backend delete {id}"), &mut |c| {
+                c.backends.remove(id);
+            });
+        }
+        c
+    }
+
+    fn key_text(k: &ServiceKey) -> String {
+        let scope = if k.scope == SCOPE_LOCAL_ORIGIN { "local" } else { "external" };
+        format!("svc {}/{} {scope} slot={}", fmt_endpoint(&k.addr, u16::from_be(k.port)), proto_name(k.proto), k.slot)
+    }
+
+    /// One line per write, in the order the kernel applies them: `+` upsert, `-` delete.
+    pub(crate) fn render_plan(p: &Plan) -> String {
+        let line = |c: MapContent| format!("+ {}", render_content(&c));
+        let mut s = String::new();
+        for k in &p.frontend_deletes {
+            let _ = writeln!(s, "- {}", key_text(k));
+        }
+        for (id, b) in &p.backend_upserts {
+            s += &line(MapContent { backends: [(*id, *b)].into(), ..Default::default() });
+        }
+        for m in &p.member_upserts {
+            s += &line(MapContent { members: [*m].into(), ..Default::default() });
+        }
+        for f in &p.frontends {
+            let writes = f.slot_upserts.iter().copied().chain(f.slot0_value.map(|v| (f.slot0, v)));
+            for (k, v) in writes {
+                s += &line(MapContent { services: [(k, v)].into(), ..Default::default() });
+            }
+            for k in &f.slot_deletes {
+                let _ = writeln!(s, "- {}", key_text(k));
+            }
+        }
+        for m in &p.member_deletes {
+            let _ = writeln!(s, "- member svc={} backend={}", m.svc_id, m.backend_id);
+        }
+        for id in &p.backend_deletes {
+            let _ = writeln!(s, "- backend {id}");
+        }
+        s
+    }
+
+    #[track_caller]
+    pub(crate) fn assert_text(what: &str, actual: &str, expected: &str) {
+        let expected = dedent(expected);
+        assert!(actual == expected, "{what} differs\n--- expected\n{expected}--- actual\n{actual}");
+    }
+
+    fn spid(name: &str) -> ServicePortId {
+        ServicePortId {
+            namespace: "default".into(),
+            name: name.into(),
+            port_name: "http".into(),
+            protocol: Protocol::Tcp,
+            family: IpFamily::V4,
+        }
+    }
+
+    /// Frontend keys, service ids and backend ids one Plan writes or deletes.
+    fn touched(p: &Plan) -> (BTreeSet<ServiceKey>, BTreeSet<u32>, BTreeSet<u32>) {
+        let mut frontends = BTreeSet::new();
+        let mut svc_ids = BTreeSet::new();
+        let mut backends: BTreeSet<u32> = p.backend_upserts.iter().map(|(id, _)| *id).collect();
+        backends.extend(&p.backend_deletes);
+        for m in p.member_upserts.iter().chain(&p.member_deletes) {
+            svc_ids.insert(m.svc_id);
+            backends.insert(m.backend_id);
+        }
+        for f in &p.frontends {
+            frontends.insert(f.slot0);
+            frontends.extend(f.slot_upserts.iter().map(|(k, _)| frontend_of(k)));
+            frontends.extend(f.slot_deletes.iter().map(frontend_of));
+            svc_ids.extend(f.slot0_value.map(|v| v.svc_id));
+        }
+        frontends.extend(p.frontend_deletes.iter().map(frontend_of));
+        (frontends, svc_ids, backends)
+    }
+
+    #[test]
+    fn cluster_ip_with_three_endpoints() {
+        let mut p = Planner::new();
+        let (plan, errors) = p.sync(&web("web", "10.96.0.10", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]));
+        assert_eq!(errors, vec![]);
+        assert_eq!(plan.len(), 3 + 3 + 4);
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.10:80/TCP local slot=0 id=1 count=3 flags=-
+            svc 10.96.0.10:80/TCP local slot=1 backend=1
+            svc 10.96.0.10:80/TCP local slot=2 backend=2
+            svc 10.96.0.10:80/TCP local slot=3 backend=3
+            backend 1 10.0.0.1:8080/TCP
+            backend 2 10.0.0.2:8080/TCP
+            backend 3 10.0.0.3:8080/TCP
+            member svc=1 backend=1
+            member svc=1 backend=2
+            member svc=1 backend=3
+            ",
+        );
+    }
+
+    /// ClientIP affinity sets the flag and the timeout (the API default when unset);
+    /// local and terminating endpoints carry their backend flags.
+    #[test]
+    fn affinity_and_backend_flags() {
+        let mut p = Planner::new();
+        let (_, errors) = p.sync(
+            r#"
+            apiVersion: v1
+            kind: Service
+            metadata: {name: sticky, namespace: default}
+            spec:
+              clusterIP: 10.96.0.11
+              sessionAffinity: ClientIP
+              sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}
+              ports: [{name: http, port: 80}]
+            ---
+            apiVersion: v1
+            kind: Service
+            metadata: {name: sticky-default, namespace: default}
+            spec: {clusterIP: 10.96.0.12, sessionAffinity: ClientIP, ports: [{name: http, port: 80}]}
+            ---
+            apiVersion: v1
+            kind: Service
+            metadata: {name: fallback, namespace: default}
+            spec: {clusterIP: 10.96.0.13, ports: [{name: http, port: 80}]}
+            ---
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {name: sticky-a, namespace: default, labels: {kubernetes.io/service-name: sticky}}
+            addressType: IPv4
+            ports: [{name: http, port: 8080}]
+            endpoints: [{addresses: [10.0.0.1], nodeName: node-a}]
+            ---
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {name: fallback-a, namespace: default, labels: {kubernetes.io/service-name: fallback}}
+            addressType: IPv4
+            ports: [{name: http, port: 8080}]
+            endpoints:
+            - addresses: [10.0.0.9]
+              nodeName: node-b
+              conditions: {ready: false, serving: true, terminating: true}
+            "#,
+        );
+        assert_eq!(errors, vec![]);
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.11:80/TCP local slot=0 id=2 count=1 flags=affinity timeout=600s
+            svc 10.96.0.11:80/TCP local slot=1 backend=2
+            svc 10.96.0.12:80/TCP local slot=0 id=3 count=0 flags=affinity,reject timeout=10800s
+            svc 10.96.0.13:80/TCP local slot=0 id=1 count=1 flags=terminating-fallback
+            svc 10.96.0.13:80/TCP local slot=1 backend=1
+            backend 1 10.0.0.9:8080/TCP terminating
+            backend 2 10.0.0.1:8080/TCP local
+            member svc=1 backend=1
+            member svc=2 backend=2
+            ",
+        );
+    }
+
+    /// No endpoint anywhere: reject; Local policy with endpoints only elsewhere: drop.
+    #[test]
+    fn empty_sets_reject_or_drop() {
+        let mut p = Planner::new();
+        let yaml = docs(&[
+            web("nowhere", "10.96.0.20", &[]),
+            r#"
+            apiVersion: v1
+            kind: Service
+            metadata: {name: elsewhere, namespace: default}
+            spec: {clusterIP: 10.96.0.21, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}
+            "#
+            .to_string(),
+            web("elsewhere", "10.96.0.21", &["10.0.0.1"]).split_once("---\n").unwrap().1.to_string(),
+        ]);
+        let (_, errors) = p.sync(&yaml);
+        assert_eq!(errors, vec![]);
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.20:80/TCP local slot=0 id=2 count=0 flags=reject
+            svc 10.96.0.21:80/TCP local slot=0 id=1 count=0 flags=drop,local-policy
+            ",
+        );
+    }
+
+    /// Every frontend of one ServicePort shares its id and backends; NodePorts and
+    /// externalIP / LoadBalancer frontends are flagged.
+    #[test]
+    fn node_port_and_external_frontends() {
+        let mut p = Planner::new();
+        let (_, errors) = p.sync(
+            r#"
+            apiVersion: v1
+            kind: Service
+            metadata: {name: web, namespace: default}
+            spec:
+              type: LoadBalancer
+              clusterIP: 10.96.0.10
+              externalIPs: [203.0.113.1]
+              ports: [{name: http, port: 80, nodePort: 30080}]
+            status: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}
+            ---
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {name: web-a, namespace: default, labels: {kubernetes.io/service-name: web}}
+            addressType: IPv4
+            ports: [{name: http, port: 8080}]
+            endpoints: [{addresses: [10.0.0.1], nodeName: node-b}, {addresses: [10.0.0.2], nodeName: node-b}]
+            "#,
+        );
+        assert_eq!(errors, vec![]);
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 198.51.100.1:80/TCP local slot=0 id=1 count=2 flags=external
+            svc 198.51.100.1:80/TCP local slot=1 backend=1
+            svc 198.51.100.1:80/TCP local slot=2 backend=2
+            svc 203.0.113.1:80/TCP local slot=0 id=1 count=2 flags=external
+            svc 203.0.113.1:80/TCP local slot=1 backend=1
+            svc 203.0.113.1:80/TCP local slot=2 backend=2
+            svc 10.96.0.10:80/TCP local slot=0 id=1 count=2 flags=-
+            svc 10.96.0.10:80/TCP local slot=1 backend=1
+            svc 10.96.0.10:80/TCP local slot=2 backend=2
+            svc 192.168.1.10:30080/TCP local slot=0 id=1 count=2 flags=nodeport
+            svc 192.168.1.10:30080/TCP local slot=1 backend=1
+            svc 192.168.1.10:30080/TCP local slot=2 backend=2
+            backend 1 10.0.0.1:8080/TCP
+            backend 2 10.0.0.2:8080/TCP
+            member svc=1 backend=1
+            member svc=1 backend=2
+            ",
+        );
+    }
+
+    /// One endpoint behind two Services is one backend entry, a member of both.
+    #[test]
+    fn shared_backend_is_stored_once() {
+        let mut p = Planner::new();
+        let (_, errors) = p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+            web("b", "10.96.0.2", &["10.0.0.2", "10.0.0.3"]),
+        ]));
+        assert_eq!(errors, vec![]);
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.1:80/TCP local slot=0 id=1 count=2 flags=-
+            svc 10.96.0.1:80/TCP local slot=1 backend=1
+            svc 10.96.0.1:80/TCP local slot=2 backend=2
+            svc 10.96.0.2:80/TCP local slot=0 id=2 count=2 flags=-
+            svc 10.96.0.2:80/TCP local slot=1 backend=2
+            svc 10.96.0.2:80/TCP local slot=2 backend=3
+            backend 1 10.0.0.1:8080/TCP
+            backend 2 10.0.0.2:8080/TCP
+            backend 3 10.0.0.3:8080/TCP
+            member svc=1 backend=1
+            member svc=1 backend=2
+            member svc=2 backend=2
+            member svc=2 backend=3
+            ",
+        );
+    }
+
+    /// The same input twice: the second plan writes nothing.
+    #[test]
+    fn unchanged_input_plans_nothing() {
+        let yaml = docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+            web("b", "10.96.0.2", &["10.0.0.2"]),
+            web("c", "10.96.0.3", &[]),
+        ]);
+        let mut p = Planner::new();
+        let (first, _) = p.sync(&yaml);
+        assert!(!first.is_empty());
+        let before = p.text();
+        let (second, errors) = p.sync(&yaml);
+        assert_eq!(errors, vec![]);
+        assert!(second.is_empty(), "second plan is not empty:\n{}", render_plan(&second));
+        assert_eq!(second.len(), 0);
+        assert_text("map content", &p.text(), &before);
+    }
+
+    /// New endpoints for one Service: only its entries are written; the other Service's
+    /// frontend, id and backends are untouched.
+    #[test]
+    fn endpoint_change_touches_only_that_service() {
+        let mut p = Planner::new();
+        p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+            web("b", "10.96.0.2", &["10.0.0.7", "10.0.0.8"]),
+        ]));
+        let b_before: Vec<String> = p.text().lines().filter(|l| l.contains("10.96.0.2:")).map(String::from).collect();
+        let (plan, _) = p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.3", "10.0.0.4"]),
+            web("b", "10.96.0.2", &["10.0.0.7", "10.0.0.8"]),
+        ]));
+        assert_text(
+            "plan",
+            &render_plan(&plan),
+            "
+            + backend 6 10.0.0.4:8080/TCP
+            + member svc=1 backend=6
+            + svc 10.96.0.1:80/TCP local slot=2 backend=3
+            + svc 10.96.0.1:80/TCP local slot=3 backend=6
+            - member svc=1 backend=2
+            - backend 2
+            ",
+        );
+        let (frontends, svc_ids, backends) = touched(&plan);
+        let b_frontend = p.current.services.keys().find(|k| k.slot == 0 && fmt_endpoint(&k.addr, 0).starts_with("10.96.0.2:"));
+        let b_frontend = *b_frontend.expect("b's frontend");
+        let b_id = p.current.services[&b_frontend].svc_id;
+        let b_backends: BTreeSet<u32> = p.current.members.iter().filter(|m| m.svc_id == b_id).map(|m| m.backend_id).collect();
+        assert!(!frontends.contains(&b_frontend), "plan touches b's frontend");
+        assert!(!svc_ids.contains(&b_id), "plan touches b's service id");
+        assert!(backends.is_disjoint(&b_backends), "plan touches b's backends {b_backends:?}");
+        let b_after: Vec<String> = p.text().lines().filter(|l| l.contains("10.96.0.2:")).map(String::from).collect();
+        assert_eq!(b_before, b_after);
+    }
+
+    /// A new Service: backends, then members, then its slots, then slot 0 (which
+    /// publishes the count) last.
+    #[test]
+    fn order_new_service() {
+        let mut p = Planner::new();
+        let (plan, _) = p.sync(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
+        assert_text(
+            "plan",
+            &render_plan(&plan),
+            "
+            + backend 1 10.0.0.1:8080/TCP
+            + backend 2 10.0.0.2:8080/TCP
+            + member svc=1 backend=1
+            + member svc=1 backend=2
+            + svc 10.96.0.1:80/TCP local slot=1 backend=1
+            + svc 10.96.0.1:80/TCP local slot=2 backend=2
+            + svc 10.96.0.1:80/TCP local slot=0 id=1 count=2 flags=-
+            ",
+        );
+    }
+
+    /// Growing: new slots before slot 0's larger count. Shrinking: slot 0's smaller
+    /// count first, then the slots beyond it, then members and backends.
+    #[test]
+    fn order_grow_and_shrink() {
+        let mut p = Planner::new();
+        p.sync(&web("a", "10.96.0.1", &["10.0.0.1"]));
+        let (grow, _) = p.sync(&web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]));
+        assert_text(
+            "grow plan",
+            &render_plan(&grow),
+            "
+            + backend 2 10.0.0.2:8080/TCP
+            + backend 3 10.0.0.3:8080/TCP
+            + member svc=1 backend=2
+            + member svc=1 backend=3
+            + svc 10.96.0.1:80/TCP local slot=2 backend=2
+            + svc 10.96.0.1:80/TCP local slot=3 backend=3
+            + svc 10.96.0.1:80/TCP local slot=0 id=1 count=3 flags=-
+            ",
+        );
+        let (shrink, _) = p.sync(&web("a", "10.96.0.1", &["10.0.0.3"]));
+        assert_text(
+            "shrink plan",
+            &render_plan(&shrink),
+            "
+            + svc 10.96.0.1:80/TCP local slot=1 backend=3
+            + svc 10.96.0.1:80/TCP local slot=0 id=1 count=1 flags=-
+            - svc 10.96.0.1:80/TCP local slot=2
+            - svc 10.96.0.1:80/TCP local slot=3
+            - member svc=1 backend=1
+            - member svc=1 backend=2
+            - backend 1
+            - backend 2
+            ",
+        );
+        let (empty, _) = p.sync(&web("a", "10.96.0.1", &[]));
+        assert_text(
+            "empty plan",
+            &render_plan(&empty),
+            "
+            + svc 10.96.0.1:80/TCP local slot=0 id=1 count=0 flags=reject
+            - svc 10.96.0.1:80/TCP local slot=1
+            - member svc=1 backend=3
+            - backend 3
+            ",
+        );
+    }
+
+    /// Removing a Service: its frontend goes first (slot 0, then its slots), making room
+    /// for new frontends; members and the backends nobody else uses (a backend another
+    /// Service shares stays) go last.
+    #[test]
+    fn order_removed_service() {
+        let mut p = Planner::new();
+        p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+            web("b", "10.96.0.2", &["10.0.0.2"]),
+        ]));
+        let (plan, _) = p.sync(&docs(&[web("b", "10.96.0.2", &["10.0.0.2"]), web("c", "10.96.0.3", &["10.0.0.3"])]));
+        assert_text(
+            "plan",
+            &render_plan(&plan),
+            "
+            - svc 10.96.0.1:80/TCP local slot=0
+            - svc 10.96.0.1:80/TCP local slot=1
+            - svc 10.96.0.1:80/TCP local slot=2
+            + backend 3 10.0.0.3:8080/TCP
+            + member svc=3 backend=3
+            + svc 10.96.0.3:80/TCP local slot=1 backend=3
+            + svc 10.96.0.3:80/TCP local slot=0 id=3 count=1 flags=-
+            - member svc=1 backend=1
+            - member svc=1 backend=2
+            - backend 1
+            ",
+        );
+    }
+
+    /// A restarted agent adopts the ids in the pinned maps: the same desired state
+    /// writes nothing, and a new Service gets ids nobody holds.
+    #[test]
+    fn restart_adopts_ids_and_writes_nothing() {
+        let mut p = Planner::new();
+        p.sync(&docs(&[web("a", "10.96.0.1", &["10.0.0.1"]), web("b", "10.96.0.2", &["10.0.0.2"])]));
+        // Churn so that ids are no longer 1..n in name order.
+        let yaml = docs(&[
+            web("b", "10.96.0.2", &["10.0.0.2", "10.0.0.5"]),
+            web("c", "10.96.0.3", &["10.0.0.3"]),
+            web("d", "10.96.0.4", &[]),
+        ]);
+        p.sync(&yaml);
+        let before = p.text();
+        assert_text(
+            "map content",
+            &before,
+            "
+            svc 10.96.0.2:80/TCP local slot=0 id=2 count=2 flags=-
+            svc 10.96.0.2:80/TCP local slot=1 backend=2
+            svc 10.96.0.2:80/TCP local slot=2 backend=3
+            svc 10.96.0.3:80/TCP local slot=0 id=3 count=1 flags=-
+            svc 10.96.0.3:80/TCP local slot=1 backend=4
+            svc 10.96.0.4:80/TCP local slot=0 id=4 count=0 flags=reject
+            backend 2 10.0.0.2:8080/TCP
+            backend 3 10.0.0.5:8080/TCP
+            backend 4 10.0.0.3:8080/TCP
+            member svc=2 backend=2
+            member svc=2 backend=3
+            member svc=3 backend=4
+            ",
+        );
+
+        let mut restarted = Planner::restart(p.current.clone(), Capacity::default());
+        let (plan, errors) = restarted.sync(&yaml);
+        assert_eq!(errors, vec![]);
+        assert!(plan.is_empty(), "restart writes:\n{}", render_plan(&plan));
+        assert_text("map content", &restarted.text(), &before);
+
+        let (plan, _) = restarted.sync(&docs(&[yaml.clone(), web("aa", "10.96.0.5", &["10.0.0.1", "10.0.0.2"])]));
+        assert_text(
+            "plan",
+            &render_plan(&plan),
+            "
+            + backend 5 10.0.0.1:8080/TCP
+            + member svc=5 backend=2
+            + member svc=5 backend=5
+            + svc 10.96.0.5:80/TCP local slot=1 backend=5
+            + svc 10.96.0.5:80/TCP local slot=2 backend=2
+            + svc 10.96.0.5:80/TCP local slot=0 id=5 count=2 flags=-
+            ",
+        );
+    }
+
+    /// A ServicePort that does not fit the service map is reported, with the flag to
+    /// raise; the others are programmed.
+    #[test]
+    fn services_map_full() {
+        let mut p = Planner::new();
+        p.cap = Capacity { services: 6, backends: 100 };
+        let (_, errors) = p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+            web("b", "10.96.0.2", &["10.0.0.3", "10.0.0.4", "10.0.0.5"]),
+            web("c", "10.96.0.3", &[]),
+            web("d", "10.96.0.4", &["10.0.0.1", "10.0.0.6"]),
+        ]));
+        assert_eq!(
+            errors,
+            vec![
+                PlanError::MapFull {
+                    service: spid("b"),
+                    map: SERVICES_MAP,
+                    flag: "max-services",
+                    needed: 4,
+                    free: 3,
+                    capacity: 6,
+                },
+                PlanError::MapFull {
+                    service: spid("d"),
+                    map: SERVICES_MAP,
+                    flag: "max-services",
+                    needed: 3,
+                    free: 2,
+                    capacity: 6,
+                },
+            ]
+        );
+        assert_eq!(
+            errors[0].to_string(),
+            "default/b:http/TCP/IPv4: does not fit the FERRY_SVC map (4 more entries, 3 free of 6); \
+             it is not programmed, every other service is; raise --max-services"
+        );
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.1:80/TCP local slot=0 id=1 count=2 flags=-
+            svc 10.96.0.1:80/TCP local slot=1 backend=1
+            svc 10.96.0.1:80/TCP local slot=2 backend=2
+            svc 10.96.0.3:80/TCP local slot=0 id=2 count=0 flags=reject
+            backend 1 10.0.0.1:8080/TCP
+            backend 2 10.0.0.2:8080/TCP
+            member svc=1 backend=1
+            member svc=1 backend=2
+            ",
+        );
+    }
+
+    /// The backend map counts distinct backends: one already placed costs nothing.
+    #[test]
+    fn backends_map_full() {
+        let mut p = Planner::new();
+        p.cap = Capacity { services: 100, backends: 3 };
+        let (_, errors) = p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+            web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.3", "10.0.0.4"]),
+            web("c", "10.96.0.3", &["10.0.0.2", "10.0.0.5"]),
+            web("d", "10.96.0.4", &["10.0.0.1", "10.0.0.2"]),
+        ]));
+        assert_eq!(
+            errors,
+            vec![PlanError::MapFull {
+                service: spid("b"),
+                map: BACKENDS_MAP,
+                flag: "max-backends",
+                needed: 2,
+                free: 1,
+                capacity: 3,
+            }]
+        );
+        assert!(errors[0].to_string().ends_with("raise --max-backends"), "{}", errors[0]);
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.1:80/TCP local slot=0 id=1 count=2 flags=-
+            svc 10.96.0.1:80/TCP local slot=1 backend=1
+            svc 10.96.0.1:80/TCP local slot=2 backend=2
+            svc 10.96.0.3:80/TCP local slot=0 id=2 count=2 flags=-
+            svc 10.96.0.3:80/TCP local slot=1 backend=2
+            svc 10.96.0.3:80/TCP local slot=2 backend=3
+            svc 10.96.0.4:80/TCP local slot=0 id=3 count=2 flags=-
+            svc 10.96.0.4:80/TCP local slot=1 backend=1
+            svc 10.96.0.4:80/TCP local slot=2 backend=2
+            backend 1 10.0.0.1:8080/TCP
+            backend 2 10.0.0.2:8080/TCP
+            backend 3 10.0.0.5:8080/TCP
+            member svc=1 backend=1
+            member svc=1 backend=2
+            member svc=2 backend=2
+            member svc=2 backend=3
+            member svc=3 backend=1
+            member svc=3 backend=2
+            ",
+        );
+    }
+
+    /// A programmed ServicePort keeps its place when a new one that sorts first
+    /// arrives and only one fits, in a running agent and after a restart alike.
+    #[test]
+    fn programmed_service_is_placed_before_new_ones() {
+        let zeta = web("zeta", "10.96.0.9", &["10.0.0.9"]);
+        let both = docs(&[web("alpha", "10.96.0.1", &["10.0.0.1"]), zeta.clone()]);
+        let cap = Capacity { services: 3, backends: 100 };
+        let mut p = Planner::new();
+        p.cap = cap;
+        p.sync(&zeta);
+        let before = p.text();
+        let alpha_full = vec![PlanError::MapFull {
+            service: spid("alpha"),
+            map: SERVICES_MAP,
+            flag: "max-services",
+            needed: 2,
+            free: 1,
+            capacity: 3,
+        }];
+
+        let (plan, errors) = p.sync(&both);
+        assert_eq!(errors, alpha_full);
+        assert!(plan.is_empty(), "zeta is rewritten:\n{}", render_plan(&plan));
+        assert_text("map content", &p.text(), &before);
+
+        let mut restarted = Planner::restart(p.current.clone(), cap);
+        let (plan, errors) = restarted.sync(&both);
+        assert_eq!(errors, alpha_full);
+        assert!(plan.is_empty(), "zeta is rewritten after a restart:\n{}", render_plan(&plan));
+    }
+
+    /// More endpoints than one frontend can hold: that ServicePort alone is refused.
+    #[test]
+    fn too_many_endpoints() {
+        let count = MAX_BACKENDS_PER_SERVICE as usize + 1;
+        let endpoints: Vec<String> = (0..count).map(|i| format!("10.1.{}.{}", i / 250, i % 250 + 1)).collect();
+        let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+        let mut p = Planner::new();
+        let (_, errors) = p.sync(&docs(&[web("big", "10.96.0.1", &endpoints), web("small", "10.96.0.2", &["10.0.0.1"])]));
+        assert_eq!(
+            errors,
+            vec![PlanError::TooManyEndpoints { service: spid("big"), count, max: MAX_BACKENDS_PER_SERVICE }]
+        );
+        assert_eq!(
+            errors[0].to_string(),
+            "default/big:http/TCP/IPv4: 4097 endpoints is more than ferry serves per frontend (4096); not programmed"
+        );
+        assert_text(
+            "map content",
+            &p.text(),
+            "
+            svc 10.96.0.2:80/TCP local slot=0 id=1 count=1 flags=-
+            svc 10.96.0.2:80/TCP local slot=1 backend=1
+            backend 1 10.0.0.1:8080/TCP
+            member svc=1 backend=1
+            ",
+        );
+        // Exactly the maximum fits.
+        let (_, errors) = p.sync(&web("big", "10.96.0.1", &endpoints[..count - 1]));
+        assert_eq!(errors, vec![]);
+        assert_eq!(p.current.backends.len(), count - 1);
+    }
+
+    /// An externalIP that moves from a programmed Service to a new one (which sorts
+    /// first) must not hand the new Service the old one's id while the old one keeps it.
+    #[test]
+    fn moved_frontend_does_not_share_service_id() {
+        let service = |name: &str, cip: &str, eips: &str, ep: &str| {
+            format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\n\
+                 spec: {{clusterIP: {cip}, externalIPs: [{eips}], ports: [{{name: http, port: 80}}]}}\n\
+                 ---\n{}",
+                web(name, cip, &[ep]).split_once("---\n").unwrap().1
+            )
+        };
+        let mut p = Planner::new();
+        p.sync(&service("x", "10.96.0.2", "203.0.113.1", "10.0.0.2"));
+        // 203.0.113.1 moves from x to the new Service a.
+        let moved = docs(&[service("a", "10.96.0.1", "203.0.113.1", "10.0.0.1"), service("x", "10.96.0.2", "", "10.0.0.2")]);
+        p.sync(&moved);
+        let ids: BTreeMap<String, u32> = p
+            .current
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(k, v)| (fmt_endpoint(&k.addr, u16::from_be(k.port)), v.svc_id))
+            .collect();
+        assert_eq!(ids["203.0.113.1:80"], ids["10.96.0.1:80"], "a's frontends share a's id: {ids:?}");
+        assert_ne!(ids["10.96.0.2:80"], ids["10.96.0.1:80"], "x and a share a service id: {ids:?}");
+        let mut restarted = Planner::restart(p.current.clone(), p.cap);
+        let (plan, _) = restarted.sync(&moved);
+        assert!(plan.is_empty(), "restart writes:\n{}", render_plan(&plan));
+    }
+
+    /// Plan::len counts every write and delete.
+    #[test]
+    fn plan_len_counts_every_write() {
+        let mut p = Planner::new();
+        p.sync(&web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]));
+        let (plan, _) = p.sync(&web("b", "10.96.0.2", &["10.0.0.3"]));
+        assert_eq!(plan.len(), render_plan(&plan).lines().count());
+        // b: backend, member, slot 1, slot 0; a: 3 slots, 2 members, 2 backends.
+        assert_eq!(plan.len(), 4 + 7);
+    }
 }

@@ -236,10 +236,38 @@ impl ManifestsSource {
     }
 }
 
+/// How many files (or the directory itself) fail to read or parse now; warnings do not
+/// count. This is the `ferry_source_errors` metric.
+pub fn failing_files(errors: &[ManifestError]) -> usize {
+    let paths: BTreeSet<&Path> = errors
+        .iter()
+        .filter_map(|err| match err {
+            ManifestError::Dir { dir: path, .. } | ManifestError::Read { path, .. } => {
+                Some(path.as_path())
+            }
+            ManifestError::Syntax { at, .. } | ManifestError::Object { at, .. } => {
+                Some(at.path.as_path())
+            }
+            ManifestError::Duplicate { .. } => None,
+        })
+        .collect();
+    paths.len()
+}
+
 /// Runs the source forever: rescans every `interval`, logs each distinct problem once
 /// (until its text changes) and sends the merged objects whenever they change.
 /// Returns only when every receiver is gone.
-pub async fn watch(mut src: ManifestsSource, interval: Duration, tx: watch::Sender<Arc<Objects>>) {
+pub async fn watch(src: ManifestsSource, interval: Duration, tx: watch::Sender<Arc<Objects>>) {
+    watch_with(src, interval, tx, |_| {}).await
+}
+
+/// [`watch`], also handing every scan's outcome to `on_scan` (for status reporting).
+pub async fn watch_with(
+    mut src: ManifestsSource,
+    interval: Duration,
+    tx: watch::Sender<Arc<Objects>>,
+    mut on_scan: impl FnMut(&ScanOutcome) + Send + 'static,
+) {
     // `interval` panics on zero; a zero interval would spin anyway.
     let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(1)));
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -264,6 +292,7 @@ pub async fn watch(mut src: ManifestsSource, interval: Duration, tx: watch::Send
             }
         };
         report(&mut reported, &outcome.errors);
+        on_scan(&outcome);
         if outcome.changed {
             let objects = src.objects();
             tracing::info!(
@@ -1222,6 +1251,19 @@ metadata:
         fs::remove_file(fx.path("web.yaml")).unwrap();
         assert!(fx.scan_ok());
         assert!(fx.src.objects().is_empty());
+    }
+
+    #[test]
+    fn failing_files_counts_files_not_warnings() {
+        let mut fx = Fixture::new();
+        fx.write("a.yaml", SERVICE_WEB);
+        fx.write("b.yaml", SERVICE_WEB);
+        fx.write("bad.yaml", "kind: [\n");
+        let broken = "apiVersion: v1\nkind: Service\n---\n- a list\n---\n- another\n";
+        fx.write("two.yaml", broken);
+        let outcome = fx.src.rescan();
+        assert_eq!(outcome.errors.len(), 5, "{:#?}", outcome.errors);
+        assert_eq!(failing_files(&outcome.errors), 2, "{:#?}", outcome.errors);
     }
 
     #[test]

@@ -4,6 +4,11 @@
 //! - `ferry-probe tcp ADDR [COUNT]`: connect, getpeername, send `hi`, read a line.
 //! - `ferry-probe udp ADDR [COUNT]`: unconnected sendto + recvfrom (`from` = reply source).
 //! - `ferry-probe udp-connected ADDR [COUNT]`: connect + send + recv + getpeername.
+//! - `ferry-probe udp-multi ADDR [COUNT]`: one unconnected socket, COUNT sendto + recvfrom
+//!   on it (one line each), so a test can see per-socket stickiness.
+//! - `ferry-probe udp-session ADDR`: one unconnected socket; prints `ready`, then each
+//!   stdin line is sent with sendto and the reply printed, so a test can change the
+//!   Service between datagrams of one socket.
 //! - `ferry-probe tcp-session ADDR`: one connection; each stdin line is sent and its
 //!   reply printed, so a test can prove an established connection keeps working.
 
@@ -84,6 +89,56 @@ fn udp(addr: SocketAddr, connected: bool) -> Outcome {
     }
 }
 
+/// COUNT datagrams on one unconnected socket; one outcome per datagram.
+fn udp_multi(addr: SocketAddr, count: usize) {
+    let t = Instant::now();
+    let s = match bind_any(&addr) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("{}", serde_json::to_string(&fail(e, t)).unwrap());
+            return;
+        }
+    };
+    let mut buf = [0u8; 2048];
+    for i in 0..count {
+        let t = Instant::now();
+        let out = match s.send_to(format!("hi{i}").as_bytes(), addr).and_then(|_| s.recv_from(&mut buf)) {
+            Ok((n, from)) => Outcome {
+                ok: true,
+                reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
+                from: Some(from.to_string()),
+                ms: t.elapsed().as_millis(),
+                ..Default::default()
+            },
+            Err(e) => fail(e, t),
+        };
+        println!("{}", serde_json::to_string(&out).unwrap());
+    }
+}
+
+fn udp_session(addr: SocketAddr) {
+    let s = bind_any(&addr).expect("bind");
+    println!("ready");
+    std::io::stdout().flush().ok();
+    let mut buf = [0u8; 2048];
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let t = Instant::now();
+        let out = match s.send_to(line.as_bytes(), addr).and_then(|_| s.recv_from(&mut buf)) {
+            Ok((n, from)) => Outcome {
+                ok: true,
+                reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
+                from: Some(from.to_string()),
+                ms: t.elapsed().as_millis(),
+                ..Default::default()
+            },
+            Err(e) => fail(e, t),
+        };
+        println!("{}", serde_json::to_string(&out).unwrap());
+        std::io::stdout().flush().ok();
+    }
+}
+
 fn session(addr: SocketAddr) {
     let s = TcpStream::connect_timeout(&addr, TIMEOUT).expect("connect");
     s.set_read_timeout(Some(TIMEOUT)).ok();
@@ -117,6 +172,12 @@ fn main() {
     let count: usize = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(1);
     if mode == "tcp-session" {
         return session(addr);
+    }
+    if mode == "udp-multi" {
+        return udp_multi(addr, count);
+    }
+    if mode == "udp-session" {
+        return udp_session(addr);
     }
     for _ in 0..count {
         let out = match mode {
