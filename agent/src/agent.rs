@@ -150,6 +150,22 @@ fn node_addresses(cfg: &AgentConfig) -> Result<Vec<IpAddr>, AgentError> {
     }
 }
 
+/// Drains the programs' log ring buffer whenever it has records.
+async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
+    // SAFETY: the logger owns its ring buffer fd for its whole life and always reports
+    // the same fd; the AsyncFd owns the logger.
+    let registered = unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let Ok(mut fd) = registered else {
+        warn!("cannot watch the eBPF log buffer; eBPF log records will not be shown");
+        return;
+    };
+    loop {
+        let Ok(mut guard) = fd.readable_mut().await else { return };
+        guard.get_inner_mut().flush();
+        guard.clear_ready();
+    }
+}
+
 /// Runs until SIGTERM or SIGINT. Programs and maps stay pinned when it returns.
 pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let status: SharedStatus = Arc::new(Mutex::new(Status::default()));
@@ -172,6 +188,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         );
     }
     let _ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
+    if let Some(logger) = loaded.logger {
+        tokio::spawn(forward_bpf_logs(logger));
+    }
     let capacity = loaded.capacity;
     let mut syncer = Syncer {
         ids: Ids::adopt(&current),

@@ -1,6 +1,10 @@
 //! Frontend lookup and backend selection, shared by every hook.
 
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+};
+use aya_log_ebpf::warn;
 use ferry_common::{
     Addr,
     lb::{
@@ -40,7 +44,14 @@ pub(crate) struct Client {
 }
 
 #[inline(always)]
-pub(crate) fn select(addr: Addr, port: u16, proto: u8, scope: u8, client: &Client) -> Verdict {
+pub(crate) fn select<C: EbpfContext>(
+    ctx: &C,
+    addr: Addr,
+    port: u16,
+    proto: u8,
+    scope: u8,
+    client: &Client,
+) -> Verdict {
     let mut key = ServiceKey { addr, port, slot: 0, proto, scope, _pad: [0; 2] };
     // SAFETY: values are plain data; a concurrent update can at worst give a stale copy.
     let svc = match unsafe { SERVICES.get(&key) } {
@@ -81,10 +92,13 @@ pub(crate) fn select(addr: Addr, port: u16, proto: u8, scope: u8, client: &Clien
     // SAFETY: helper without preconditions.
     let r = unsafe { bpf_get_prandom_u32() };
     key.slot = (r % n as u32) as u16 + 1;
+    // A miss below means the agent published a count before its slots or backends, a
+    // bug worth a log line (this is the miss path, never taken per connection normally).
     let backend_id = match unsafe { SERVICES.get(&key) } {
         Some(v) => v.backend_id,
         None => {
             count(COUNT_BACKEND_MISSING);
+            warn!(ctx, "ferry: service id {} slot {} missing", svc.svc_id, key.slot);
             return Verdict::Pass;
         }
     };
@@ -92,6 +106,7 @@ pub(crate) fn select(addr: Addr, port: u16, proto: u8, scope: u8, client: &Clien
         Some(b) => *b,
         None => {
             count(COUNT_BACKEND_MISSING);
+            warn!(ctx, "ferry: service id {} backend {} missing", svc.svc_id, backend_id);
             return Verdict::Pass;
         }
     };

@@ -105,7 +105,7 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let client = Client { netns, sticky_socket: if per_datagram { Some(cookie) } else { None } };
-    match select(vip, vport, proto, SCOPE_LOCAL_ORIGIN, &client) {
+    match select(ctx, vip, vport, proto, SCOPE_LOCAL_ORIGIN, &client) {
         Verdict::Pass => ALLOW,
         Verdict::Reject => refuse(ECONNREFUSED),
         // A socket hook cannot silently lose a connect: fail it at once with "no route"

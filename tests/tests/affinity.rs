@@ -206,3 +206,25 @@ fn affinity_moves_when_the_chosen_backend_is_removed() {
     });
     assert_eq!(sticky_backend(&w, &node_ns, 20, "after re-adding"), moved, "the client must stay on {moved}");
 }
+
+#[test]
+fn udp_from_one_client_shares_its_affinity() {
+    let mut w = World::new("aff-udp", 3, &[8080]);
+    let eps: Vec<Ep> = w.pods.iter().map(|p| ep(p.v4)).collect();
+    w.write_manifest(
+        "sticky.yaml",
+        &docs(&[
+            service("sticky", &[VIP], &[("dns", 53, "UDP")], &affinity_spec(None)),
+            slice("sticky", "sticky-1", "IPv4", &[("dns", 8080, "UDP")], &eps),
+        ]),
+    );
+    w.start_agent(&[]);
+    // `udp` uses a fresh socket per datagram: per-socket stickiness alone would spread them.
+    let outs = w.probe("udp", &format!("{VIP}:53"), 20);
+    assert!(outs.iter().all(|o| o.ok), "every datagram must be answered: {outs:?}");
+    let seen = backends(&outs);
+    assert_eq!(seen.len(), 1, "20 UDP sockets of one client with ClientIP affinity must reach one backend, saw {seen:?}");
+    for o in &outs {
+        assert_eq!(o.from.as_deref(), Some("10.96.0.20:53"), "reply source must be the VIP: {o:?}");
+    }
+}

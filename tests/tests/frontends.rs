@@ -203,6 +203,8 @@ fn dual_stack_each_family_reaches_its_own_endpoints() {
     w.start_agent(&[]);
     assert_reaches(&w, "10.96.0.60:80", 40, &set(&["pod1", "pod2"]));
     assert_reaches(&w, "[fd00:96::60]:80", 20, &set(&["pod3"]));
+    // An IPv6 socket dialling the IPv4 ClusterIP as a v4-mapped address is IPv4 traffic.
+    assert_reaches(&w, "[::ffff:10.96.0.60]:80", 20, &set(&["pod1", "pod2"]));
 }
 
 #[test]

@@ -224,3 +224,39 @@ fn internal_local_applies_to_clients_with_affinity() {
     assert!(outs.iter().all(|o| o.ok), "externalIP connects must succeed: {outs:?}");
     assert_eq!(backends(&outs).len(), 1, "externalIP connects must stick to one backend: {outs:?}");
 }
+
+#[test]
+fn terminating_backend_remembered_elsewhere_is_not_used_when_ready_ones_exist() {
+    // Local policy: the ClusterIP's set is the local terminating fallback (pod1); the
+    // externalIP of the same ServicePort uses the cluster set, the ready pod2. Affinity
+    // learnt through the ClusterIP must not drag externalIP traffic to terminating pod1.
+    let mut w = World::new("term-affinity", 2, &[8080]);
+    w.write_manifest(
+        "pol.yaml",
+        &docs(&[
+            service(
+                "pol",
+                &[VIP],
+                &[("http", 80, "TCP")],
+                &format!("  sessionAffinity: ClientIP\n  externalIPs: [\"203.0.113.91\"]\n{LOCAL}"),
+            ),
+            slice(
+                "pol",
+                "pol-1",
+                "IPv4",
+                &[("http", 8080, "TCP")],
+                &[ep(w.pod("pod1").v4).on("node1").terminating(true), ep(w.pod("pod2").v4).on("node2")],
+            ),
+        ]),
+    );
+    w.start_agent(&[]);
+    let outs = w.probe("tcp", &format!("{VIP}:80"), 5);
+    assert_eq!(backends(&outs), set(&["pod1"]), "ClusterIP (Local): only the local terminating pod1 serves as fallback: {outs:?}");
+    let outs = w.probe("tcp", "203.0.113.91:80", 10);
+    assert!(outs.iter().all(|o| o.ok), "externalIP connects must succeed: {outs:?}");
+    assert_eq!(
+        backends(&outs),
+        set(&["pod2"]),
+        "externalIP (cluster set): the ready pod2 must be used, not the terminating pod1 remembered through the ClusterIP"
+    );
+}

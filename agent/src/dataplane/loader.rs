@@ -99,7 +99,12 @@ pub struct Loaded {
     pub adopted: bool,
     /// The maps' real capacity (pinned maps keep their size across restarts).
     pub capacity: Capacity,
+    /// Forwards the programs' aya-log records (miss and error paths only) to `log`,
+    /// which the agent's tracing subscriber picks up.
+    pub logger: Option<BpfLogger>,
 }
+
+pub type BpfLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
 
 fn links_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("links")
@@ -201,7 +206,14 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         attach_or_swap(&mut ebpf, name, &cgroup, cgroup_id, &opts.bpffs)?;
     }
     let maps = KernelMaps::from_ebpf(&mut ebpf).map_err(|(map, source)| LoaderError::Map { map, source })?;
-    Ok(Loaded { ebpf, maps, adopted, capacity })
+    let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            warn!(error = %e, "eBPF log records will not be shown");
+            None
+        }
+    };
+    Ok(Loaded { ebpf, maps, adopted, capacity, logger })
 }
 
 /// The capacity the maps really have: pinned maps keep the size they were created with,
