@@ -62,7 +62,12 @@ struct Syncer {
     node: NodeInfo,
     status: SharedStatus,
     seen_problems: BTreeSet<String>,
+    /// The last apply had failed writes: retry on the next resync tick.
+    needs_retry: bool,
 }
+
+/// How soon a sync whose writes failed is retried (kube-proxy resyncs periodically too).
+const RETRY_PERIOD: Duration = Duration::from_secs(5);
 
 impl Syncer {
     fn sync(&mut self, objects: &Objects) {
@@ -75,6 +80,7 @@ impl Syncer {
         }
         let plan = diff(&self.current, &content);
         let report = self.maps.apply(&plan);
+        self.needs_retry = !report.failures.is_empty();
         self.current = if report.failures.is_empty() {
             content
         } else {
@@ -200,14 +206,14 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         node: NodeInfo { name: cfg.node_name.clone(), addresses: node_addresses(&cfg)? },
         status: status.clone(),
         seen_problems: BTreeSet::new(),
+        needs_retry: false,
     };
     info!(node = %syncer.node.name, addresses = ?syncer.node.addresses, "node");
 
     let mut source = ManifestsSource::new(cfg.manifests.clone());
+    // The watcher logs this scan's errors on its first tick; logging them here too
+    // would print each one twice.
     let first = source.rescan();
-    for e in &first.errors {
-        error!("{e}");
-    }
     status.lock().expect("status lock").source_errors = crate::source::manifests::failing_files(&first.errors);
     let mut objects = Arc::new(source.objects());
     syncer.sync(&objects);
@@ -221,6 +227,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);
     let mut counter_tick = tokio::time::interval(Duration::from_secs(1));
+    let mut retry_tick = tokio::time::interval(RETRY_PERIOD);
     loop {
         tokio::select! {
             changed = rx.changed() => {
@@ -248,6 +255,14 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
                 }
             }
             _ = counter_tick.tick() => syncer.refresh_counters(),
+            _ = retry_tick.tick(), if syncer.needs_retry => {
+                warn!("retrying the map writes that failed");
+                syncer.current = match syncer.maps.read() {
+                    Ok(c) => c,
+                    Err(e) => { error!("reading the pinned maps: {e}"); continue; }
+                };
+                syncer.sync(&objects);
+            }
             _ = tokio::signal::ctrl_c() => { info!("SIGINT: exiting, programs and maps stay pinned"); break; }
             _ = sigterm.recv() => { info!("SIGTERM: exiting, programs and maps stay pinned"); break; }
         }
