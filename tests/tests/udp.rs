@@ -38,7 +38,7 @@ fn dns_world(test: &str) -> World {
 #[test]
 fn unconnected_udp_round_trip_and_reply_source_is_the_vip() {
     let w = dns_world("udp-unconn");
-    let outs = w.probe("udp", &format!("{VIP}:53"), 30);
+    let outs = w.probe("udp", &format!("{VIP}:53"), 45);
     for o in &outs {
         assert!(o.ok, "sendto/recvfrom through the ClusterIP must work: expected a reply, saw {o:?}");
         assert!(
@@ -53,7 +53,7 @@ fn unconnected_udp_round_trip_and_reply_source_is_the_vip() {
         );
     }
     // Each run of `udp` uses a fresh socket per datagram: they spread over the pods.
-    assert_eq!(backends(&outs), all_pods(&w), "30 fresh sockets should reach all 3 pods");
+    assert_eq!(backends(&outs), all_pods(&w), "45 fresh sockets should reach all 3 pods");
 }
 
 #[test]
