@@ -43,7 +43,11 @@ pub enum AgentError {
     #[error("--manifests: {0}")]
     Manifests(String),
     #[error("{flag} {addr}: cannot listen: {source}")]
-    Listen { flag: &'static str, addr: SocketAddr, source: std::io::Error },
+    Listen {
+        flag: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("reading the pinned maps: {0}")]
     ReadMaps(#[from] aya::maps::MapError),
     #[error("detecting node addresses: {0}")]
@@ -74,7 +78,8 @@ impl Syncer {
         let started = Instant::now();
         let desired = model::compute(&objects.services_vec(), &objects.slices_vec(), &self.node);
         self.report_model(&desired);
-        let (content, plan_errors) = desired_content(&desired, &mut self.ids, &self.current, self.capacity);
+        let (content, plan_errors) =
+            desired_content(&desired, &mut self.ids, &self.current, self.capacity);
         for e in &plan_errors {
             error!("{e}");
         }
@@ -97,8 +102,14 @@ impl Syncer {
         s.services_programmed = desired.services.len().saturating_sub(plan_errors.len());
         s.frontends_programmed = self.current.services.keys().filter(|k| k.slot == 0).count();
         s.backends_programmed = self.current.backends.len();
-        s.map_entries.insert(SERVICES_MAP, (self.current.services.len(), self.capacity.services));
-        s.map_entries.insert(BACKENDS_MAP, (self.current.backends.len(), self.capacity.backends));
+        s.map_entries.insert(
+            SERVICES_MAP,
+            (self.current.services.len(), self.capacity.services),
+        );
+        s.map_entries.insert(
+            BACKENDS_MAP,
+            (self.current.backends.len(), self.capacity.backends),
+        );
         s.map_write_failures_total += report.failures.len() as u64;
         s.plan_errors = plan_errors.len();
         s.object_problems = desired.problems.len();
@@ -119,7 +130,11 @@ impl Syncer {
                 s.backends_programmed
             );
         } else if !plan.is_empty() {
-            info!(writes = report.writes, elapsed_us = elapsed.as_micros() as u64, "synced");
+            info!(
+                writes = report.writes,
+                elapsed_us = elapsed.as_micros() as u64,
+                "synced"
+            );
         }
     }
 
@@ -129,7 +144,9 @@ impl Syncer {
         for p in &desired.problems {
             let line = p.to_string();
             if !self.seen_problems.contains(&line) {
-                error!("skipping invalid object: {line}; fix the object, the others are programmed");
+                error!(
+                    "skipping invalid object: {line}; fix the object, the others are programmed"
+                );
             }
             now_seen.insert(line);
         }
@@ -160,13 +177,17 @@ fn node_addresses(cfg: &AgentConfig) -> Result<Vec<IpAddr>, AgentError> {
 async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
     // SAFETY: the logger owns its ring buffer fd for its whole life and always reports
     // the same fd; the AsyncFd owns the logger.
-    let registered = unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
     let Ok(mut fd) = registered else {
         warn!("cannot watch the eBPF log buffer; eBPF log records will not be shown");
         return;
     };
     loop {
-        let Ok(mut guard) = fd.readable_mut().await else { return };
+        let Ok(mut guard) = fd.readable_mut().await else {
+            return;
+        };
         guard.get_inner_mut().flush();
         guard.clear_ready();
     }
@@ -177,10 +198,18 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let status: SharedStatus = Arc::new(Mutex::new(Status::default()));
     let health = http::bind(cfg.health_addr)
         .await
-        .map_err(|source| AgentError::Listen { flag: "--health-addr", addr: cfg.health_addr, source })?;
+        .map_err(|source| AgentError::Listen {
+            flag: "--health-addr",
+            addr: cfg.health_addr,
+            source,
+        })?;
     let metrics = http::bind(cfg.metrics_addr)
         .await
-        .map_err(|source| AgentError::Listen { flag: "--metrics-addr", addr: cfg.metrics_addr, source })?;
+        .map_err(|source| AgentError::Listen {
+            flag: "--metrics-addr",
+            addr: cfg.metrics_addr,
+            source,
+        })?;
     tokio::spawn(http::serve(health, Endpoints::Health, status.clone()));
     tokio::spawn(http::serve(metrics, Endpoints::Metrics, status.clone()));
 
@@ -203,7 +232,10 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         maps: loaded.maps,
         current,
         capacity,
-        node: NodeInfo { name: cfg.node_name.clone(), addresses: node_addresses(&cfg)? },
+        node: NodeInfo {
+            name: cfg.node_name.clone(),
+            addresses: node_addresses(&cfg)?,
+        },
         status: status.clone(),
         seen_problems: BTreeSet::new(),
         needs_retry: false,
@@ -214,17 +246,25 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     // The watcher logs this scan's errors on its first tick; logging them here too
     // would print each one twice.
     let first = source.rescan();
-    status.lock().expect("status lock").source_errors = crate::source::manifests::failing_files(&first.errors);
+    status.lock().expect("status lock").source_errors =
+        crate::source::manifests::failing_files(&first.errors);
     let mut objects = Arc::new(source.objects());
     syncer.sync(&objects);
 
     let (tx, mut rx) = watch::channel(objects.clone());
     let scan_status = status.clone();
-    tokio::spawn(crate::source::manifests::watch_with(source, MANIFEST_POLL, tx, move |scan| {
-        scan_status.lock().expect("status lock").source_errors = crate::source::manifests::failing_files(&scan.errors);
-    }));
+    tokio::spawn(crate::source::manifests::watch_with(
+        source,
+        MANIFEST_POLL,
+        tx,
+        move |scan| {
+            scan_status.lock().expect("status lock").source_errors =
+                crate::source::manifests::failing_files(&scan.errors);
+        },
+    ));
 
-    let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut sigterm =
+        tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);
     let mut counter_tick = tokio::time::interval(Duration::from_secs(1));
     let mut retry_tick = tokio::time::interval(RETRY_PERIOD);

@@ -28,7 +28,9 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 pub async fn serve(listener: TcpListener, which: Endpoints, status: SharedStatus) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         let status = status.clone();
         tokio::spawn(async move {
             if let Err(e) = respond(stream, which, &status).await {
@@ -38,7 +40,11 @@ pub async fn serve(listener: TcpListener, which: Endpoints, status: SharedStatus
     }
 }
 
-async fn respond(mut stream: TcpStream, which: Endpoints, status: &SharedStatus) -> std::io::Result<()> {
+async fn respond(
+    mut stream: TcpStream,
+    which: Endpoints,
+    status: &SharedStatus,
+) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16384 {
@@ -82,11 +88,21 @@ fn rfc3339(t: SystemTime) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// Pure routing, so the responses are unit-testable.
-pub fn route(which: Endpoints, path: &str, s: &Status, now: SystemTime) -> (u16, &'static str, String) {
+pub fn route(
+    which: Endpoints,
+    path: &str,
+    s: &Status,
+    now: SystemTime,
+) -> (u16, &'static str, String) {
     match (which, path) {
         (Endpoints::Health, "/healthz" | "/livez") => {
             let healthy = s.healthy(now);
@@ -108,16 +124,46 @@ fn metrics(s: &Status) -> String {
     let mut gauge = |name: &str, help: &str, v: f64| {
         let _ = writeln!(m, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
     };
-    gauge("ferry_services_programmed", "ServicePorts (per family) programmed in the maps.", s.services_programmed as f64);
-    gauge("ferry_frontends_programmed", "Frontends (address, port, protocol) programmed.", s.frontends_programmed as f64);
-    gauge("ferry_backends_programmed", "Distinct backends programmed.", s.backends_programmed as f64);
-    gauge("ferry_object_problems", "Objects or fields skipped as invalid in the last sync.", s.object_problems as f64);
-    gauge("ferry_plan_errors", "ServicePorts not programmed in the last sync (map full, too many endpoints).", s.plan_errors as f64);
-    gauge("ferry_source_errors", "Manifest files that failed to parse in the last scan.", s.source_errors as f64);
+    gauge(
+        "ferry_services_programmed",
+        "ServicePorts (per family) programmed in the maps.",
+        s.services_programmed as f64,
+    );
+    gauge(
+        "ferry_frontends_programmed",
+        "Frontends (address, port, protocol) programmed.",
+        s.frontends_programmed as f64,
+    );
+    gauge(
+        "ferry_backends_programmed",
+        "Distinct backends programmed.",
+        s.backends_programmed as f64,
+    );
+    gauge(
+        "ferry_object_problems",
+        "Objects or fields skipped as invalid in the last sync.",
+        s.object_problems as f64,
+    );
+    gauge(
+        "ferry_plan_errors",
+        "ServicePorts not programmed in the last sync (map full, too many endpoints).",
+        s.plan_errors as f64,
+    );
+    gauge(
+        "ferry_source_errors",
+        "Manifest files that failed to parse in the last scan.",
+        s.source_errors as f64,
+    );
     gauge(
         "sync_proxy_rules_last_timestamp_seconds",
         "The last time the maps were successfully synced.",
-        s.last_updated.map(|t| t.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()).unwrap_or(0.0),
+        s.last_updated
+            .map(|t| {
+                t.duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64()
+            })
+            .unwrap_or(0.0),
     );
     let _ = writeln!(
         m,
@@ -125,21 +171,41 @@ fn metrics(s: &Status) -> String {
         s.sync_duration_sum.as_secs_f64(),
         s.syncs_total
     );
-    let _ = writeln!(m, "# HELP ferry_map_write_failures_total Map writes that failed.\n# TYPE ferry_map_write_failures_total counter\nferry_map_write_failures_total {}", s.map_write_failures_total);
-    let _ = writeln!(m, "# HELP sync_proxy_rules_service_changes_total Source changes seen.\n# TYPE sync_proxy_rules_service_changes_total counter\nsync_proxy_rules_service_changes_total {}", s.service_changes_total);
-    let _ = writeln!(m, "# HELP ferry_skipped_total Objects or ports not proxied, by reason.\n# TYPE ferry_skipped_total gauge");
+    let _ = writeln!(
+        m,
+        "# HELP ferry_map_write_failures_total Map writes that failed.\n# TYPE ferry_map_write_failures_total counter\nferry_map_write_failures_total {}",
+        s.map_write_failures_total
+    );
+    let _ = writeln!(
+        m,
+        "# HELP sync_proxy_rules_service_changes_total Source changes seen.\n# TYPE sync_proxy_rules_service_changes_total counter\nsync_proxy_rules_service_changes_total {}",
+        s.service_changes_total
+    );
+    let _ = writeln!(
+        m,
+        "# HELP ferry_skipped_total Objects or ports not proxied, by reason.\n# TYPE ferry_skipped_total gauge"
+    );
     for (reason, n) in &s.skipped_by_reason {
         let _ = writeln!(m, "ferry_skipped_total{{reason=\"{reason}\"}} {n}");
     }
-    let _ = writeln!(m, "# HELP ferry_map_entries Entries in use per map.\n# TYPE ferry_map_entries gauge");
+    let _ = writeln!(
+        m,
+        "# HELP ferry_map_entries Entries in use per map.\n# TYPE ferry_map_entries gauge"
+    );
     for (map, (used, _)) in &s.map_entries {
         let _ = writeln!(m, "ferry_map_entries{{map=\"{map}\"}} {used}");
     }
-    let _ = writeln!(m, "# HELP ferry_map_capacity Capacity per map.\n# TYPE ferry_map_capacity gauge");
+    let _ = writeln!(
+        m,
+        "# HELP ferry_map_capacity Capacity per map.\n# TYPE ferry_map_capacity gauge"
+    );
     for (map, (_, cap)) in &s.map_entries {
         let _ = writeln!(m, "ferry_map_capacity{{map=\"{map}\"}} {cap}");
     }
-    let _ = writeln!(m, "# HELP ferry_datapath_events_total Socket-hook outcomes counted in BPF, by reason.\n# TYPE ferry_datapath_events_total counter");
+    let _ = writeln!(
+        m,
+        "# HELP ferry_datapath_events_total Socket-hook outcomes counted in BPF, by reason.\n# TYPE ferry_datapath_events_total counter"
+    );
     for (name, v) in COUNTER_NAMES.iter().zip(&s.datapath) {
         let _ = writeln!(m, "ferry_datapath_events_total{{reason=\"{name}\"}} {v}");
     }
@@ -160,7 +226,10 @@ mod tests {
         s.last_updated = Some(now);
         let (code, _, body) = route(Endpoints::Health, "/healthz", &s, now);
         assert_eq!(code, 200);
-        assert!(body.contains("\"lastUpdated\": \"2023-11-14T22:13:20Z\""), "{body}");
+        assert!(
+            body.contains("\"lastUpdated\": \"2023-11-14T22:13:20Z\""),
+            "{body}"
+        );
         assert!(body.contains("nodeEligible"), "{body}");
     }
 
@@ -178,11 +247,17 @@ mod tests {
 
     #[test]
     fn proxy_mode_and_metrics() {
-        let s = Status { datapath: vec![3, 1, 0, 0, 0, 0, 0, 0], ..Default::default() };
+        let s = Status {
+            datapath: vec![3, 1, 0, 0, 0, 0, 0, 0],
+            ..Default::default()
+        };
         let now = SystemTime::now();
         assert_eq!(route(Endpoints::Metrics, "/proxyMode", &s, now).2, "ebpf");
         let body = route(Endpoints::Metrics, "/metrics", &s, now).2;
-        assert!(body.contains("ferry_datapath_events_total{reason=\"rejected_no_endpoints\"} 1"), "{body}");
+        assert!(
+            body.contains("ferry_datapath_events_total{reason=\"rejected_no_endpoints\"} 1"),
+            "{body}"
+        );
         assert_eq!(route(Endpoints::Metrics, "/nope", &s, now).0, 404);
     }
 }

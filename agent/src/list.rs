@@ -44,42 +44,77 @@ pub fn view(c: &MapContent, counters: &[u64]) -> ListView {
     for (k, v) in c.services.iter().filter(|(k, _)| k.slot == 0) {
         let backends = (1..=v.count)
             .map(|slot| {
-                let id = c.services.get(&ServiceKey { slot, ..*k }).map(|s| s.backend_id).unwrap_or(0);
+                let id = c
+                    .services
+                    .get(&ServiceKey { slot, ..*k })
+                    .map(|s| s.backend_id)
+                    .unwrap_or(0);
                 match c.backends.get(&id) {
                     Some(b) => BackendView {
                         id,
                         address: fmt_endpoint(&b.addr, u16::from_be(b.port)),
-                        state: if b.flags & ferry_common::lb::BACKEND_F_TERMINATING != 0 { "terminating" } else { "ok" },
+                        state: if b.flags & ferry_common::lb::BACKEND_F_TERMINATING != 0 {
+                            "terminating"
+                        } else {
+                            "ok"
+                        },
                         local: b.flags & ferry_common::lb::BACKEND_F_LOCAL != 0,
                     },
-                    None => BackendView { id, address: "-".into(), state: "missing", local: false },
+                    None => BackendView {
+                        id,
+                        address: "-".into(),
+                        state: "missing",
+                        local: false,
+                    },
                 }
             })
             .collect();
         frontends.push(FrontendView {
             frontend: fmt_endpoint(&k.addr, u16::from_be(k.port)),
             protocol: proto_name(k.proto),
-            scope: if k.scope == SCOPE_LOCAL_ORIGIN { "local-origin" } else { "external-origin" },
+            scope: if k.scope == SCOPE_LOCAL_ORIGIN {
+                "local-origin"
+            } else {
+                "external-origin"
+            },
             service_id: v.svc_id,
             flags: flag_names(v.flags),
-            affinity_timeout_s: (v.flags & ferry_common::lb::SVC_F_AFFINITY != 0).then_some(v.affinity_timeout_s),
+            affinity_timeout_s: (v.flags & ferry_common::lb::SVC_F_AFFINITY != 0)
+                .then_some(v.affinity_timeout_s),
             backends,
         });
     }
-    let counters = COUNTER_NAMES.iter().copied().zip(counters.iter().copied()).collect();
-    ListView { frontends, counters }
+    let counters = COUNTER_NAMES
+        .iter()
+        .copied()
+        .zip(counters.iter().copied())
+        .collect();
+    ListView {
+        frontends,
+        counters,
+    }
 }
 
 pub fn table(v: &ListView) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "{:<28} {:<5} {:<16} {:>5}  {:<24} BACKENDS", "FRONTEND", "PROTO", "SCOPE", "ID", "FLAGS");
+    let _ = writeln!(
+        s,
+        "{:<28} {:<5} {:<16} {:>5}  {:<24} BACKENDS",
+        "FRONTEND", "PROTO", "SCOPE", "ID", "FLAGS"
+    );
     for f in &v.frontends {
         let backends = if f.backends.is_empty() {
             "(none)".to_string()
         } else {
             f.backends
                 .iter()
-                .map(|b| if b.state == "ok" { b.address.clone() } else { format!("{}({})", b.address, b.state) })
+                .map(|b| {
+                    if b.state == "ok" {
+                        b.address.clone()
+                    } else {
+                        format!("{}({})", b.address, b.state)
+                    }
+                })
                 .collect::<Vec<_>>()
                 .join(" ")
         };
@@ -87,7 +122,11 @@ pub fn table(v: &ListView) -> String {
             Some(t) => format!("{} timeout={t}s", f.flags),
             None => f.flags.clone(),
         };
-        let _ = writeln!(s, "{:<28} {:<5} {:<16} {:>5}  {:<24} {backends}", f.frontend, f.protocol, f.scope, f.service_id, flags);
+        let _ = writeln!(
+            s,
+            "{:<28} {:<5} {:<16} {:>5}  {:<24} {backends}",
+            f.frontend, f.protocol, f.scope, f.service_id, flags
+        );
     }
     let counters: Vec<String> = v.counters.iter().map(|(k, n)| format!("{k}={n}")).collect();
     let _ = writeln!(s, "\ncounters: {}", counters.join(" "));
@@ -157,14 +196,24 @@ mod tests {
     fn render(v: &ListView) -> String {
         let mut s = String::new();
         for f in &v.frontends {
-            let timeout = f.affinity_timeout_s.map(|t| format!(" timeout={t}s")).unwrap_or_default();
+            let timeout = f
+                .affinity_timeout_s
+                .map(|t| format!(" timeout={t}s"))
+                .unwrap_or_default();
             let _ = writeln!(
                 s,
                 "{} {} {} id={} flags={}{timeout}",
                 f.frontend, f.protocol, f.scope, f.service_id, f.flags
             );
             for b in &f.backends {
-                let _ = writeln!(s, "  {} {} {}{}", b.id, b.address, b.state, if b.local { " local" } else { "" });
+                let _ = writeln!(
+                    s,
+                    "  {} {} {}{}",
+                    b.id,
+                    b.address,
+                    b.state,
+                    if b.local { " local" } else { "" }
+                );
             }
         }
         for (name, n) in &v.counters {
@@ -205,7 +254,11 @@ mod tests {
     fn view_shows_missing_backends() {
         let mut c = content();
         c.backends.remove(&3);
-        let slot2 = *c.services.keys().find(|k| k.slot == 2).expect("sticky's slot 2");
+        let slot2 = *c
+            .services
+            .keys()
+            .find(|k| k.slot == 2)
+            .expect("sticky's slot 2");
         let slot1 = ferry_common::lb::ServiceKey { slot: 1, ..slot2 };
         c.services.remove(&slot1);
         let v = view(&c, &[]);
@@ -222,7 +275,10 @@ mod tests {
             ",
         );
         let json = serde_json::to_value(&v.frontends[0].backends[1]).unwrap();
-        assert_eq!(json, serde_json::json!({"id": 3, "address": "-", "state": "missing", "local": false}));
+        assert_eq!(
+            json,
+            serde_json::json!({"id": 3, "address": "-", "state": "missing", "local": false})
+        );
     }
 
     #[test]
@@ -252,7 +308,10 @@ mod tests {
         assert!(v.frontends.is_empty());
         assert!(v.counters.is_empty());
         let text = table(&v);
-        assert_eq!(text.lines().collect::<Vec<_>>(), [text.lines().next().unwrap(), "", "counters: "]);
+        assert_eq!(
+            text.lines().collect::<Vec<_>>(),
+            [text.lines().next().unwrap(), "", "counters: "]
+        );
         assert!(text.starts_with("FRONTEND "), "{text}");
     }
 }

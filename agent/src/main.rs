@@ -107,7 +107,9 @@ fn usage(msg: impl Into<String>) -> anyhow::Error {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
@@ -121,14 +123,19 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ferry: error: {e:#}");
-            if e.downcast_ref::<UsageError>().is_some() { ExitCode::from(2) } else { ExitCode::from(1) }
+            if e.downcast_ref::<UsageError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
     }
 }
 
 /// The cgroup v2 mount, from /proc/self/mounts.
 fn default_cgroup() -> Result<PathBuf> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    let mounts =
+        std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
     mounts
         .lines()
         .filter_map(|l| {
@@ -136,7 +143,9 @@ fn default_cgroup() -> Result<PathBuf> {
             (f.len() > 2 && f[2] == "cgroup2").then(|| PathBuf::from(f[1]))
         })
         .next()
-        .ok_or_else(|| usage("--cgroup: no cgroup2 filesystem is mounted; mount one or pass --cgroup DIR"))
+        .ok_or_else(|| {
+            usage("--cgroup: no cgroup2 filesystem is mounted; mount one or pass --cgroup DIR")
+        })
 }
 
 fn run_agent(a: AgentArgs) -> Result<()> {
@@ -148,9 +157,13 @@ fn run_agent(a: AgentArgs) -> Result<()> {
                 "--kubeconfig / in-cluster: this release reads Services and EndpointSlices from --manifests DIR only",
             ));
         }
-        (Some(_), Some(_), _) => return Err(usage("give exactly one of --manifests and --kubeconfig")),
+        (Some(_), Some(_), _) => {
+            return Err(usage("give exactly one of --manifests and --kubeconfig"));
+        }
         (None, None, false) => {
-            return Err(usage("no source: give --manifests DIR (or --kubeconfig PATH, or run in-cluster)"));
+            return Err(usage(
+                "no source: give --manifests DIR (or --kubeconfig PATH, or run in-cluster)",
+            ));
         }
     };
     manifests::check_dir(&manifests).map_err(|e| usage(e.to_string()))?;
@@ -159,14 +172,27 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         None => default_cgroup()?,
     };
     if !cgroup.join("cgroup.procs").exists() {
-        return Err(usage(format!("--cgroup {}: not a cgroup v2 directory (no cgroup.procs)", cgroup.display())));
+        return Err(usage(format!(
+            "--cgroup {}: not a cgroup v2 directory (no cgroup.procs)",
+            cgroup.display()
+        )));
     }
     if !a.devices.is_empty() {
         tracing::warn!(devices = ?a.devices, "--devices: the tc path is not in this release; only socket hooks are attached");
     }
-    let node_ips = if a.node_ip.is_empty() { None } else { Some(a.node_ip.clone()) };
-    if let Some(bad) = node_ips.iter().flatten().find(|ip| !node::usable_for_nodeport(ip)) {
-        return Err(usage(format!("--node-ip {bad}: loopback, link-local and unspecified addresses never serve NodePorts")));
+    let node_ips = if a.node_ip.is_empty() {
+        None
+    } else {
+        Some(a.node_ip.clone())
+    };
+    if let Some(bad) = node_ips
+        .iter()
+        .flatten()
+        .find(|ip| !node::usable_for_nodeport(ip))
+    {
+        return Err(usage(format!(
+            "--node-ip {bad}: loopback, link-local and unspecified addresses never serve NodePorts"
+        )));
     }
     let cfg = AgentConfig {
         manifests,
@@ -175,7 +201,10 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         load: LoadOptions {
             bpffs: a.bpffs,
             cgroup,
-            capacity: Capacity { services: a.max_services, backends: a.max_backends },
+            capacity: Capacity {
+                services: a.max_services,
+                backends: a.max_backends,
+            },
             affinity_entries: a.max_affinity,
             revnat_entries: a.max_revnat,
         },
@@ -190,7 +219,9 @@ fn run_agent(a: AgentArgs) -> Result<()> {
     rt.block_on(agent::run(cfg)).map_err(|e| match e {
         agent::AgentError::Listen { .. } | agent::AgentError::Manifests(_) => usage(e.to_string()),
         agent::AgentError::Loader(dataplane::loader::LoaderError::Cgroup { .. })
-        | agent::AgentError::Loader(dataplane::loader::LoaderError::Bpffs { .. }) => usage(e.to_string()),
+        | agent::AgentError::Loader(dataplane::loader::LoaderError::Bpffs { .. }) => {
+            usage(e.to_string())
+        }
         other => anyhow!(other),
     })
 }
@@ -209,11 +240,16 @@ fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
 }
 
 fn run_cleanup(bpffs: &std::path::Path) -> Result<()> {
-    let removed = dataplane::cleanup(bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;
+    let removed =
+        dataplane::cleanup(bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;
     if removed.is_empty() {
         println!("nothing to clean up in {}", bpffs.display());
     } else {
-        println!("removed {} pins from {} (programs detached)", removed.len(), bpffs.display());
+        println!(
+            "removed {} pins from {} (programs detached)",
+            removed.len(),
+            bpffs.display()
+        );
     }
     Ok(())
 }

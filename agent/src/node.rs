@@ -49,7 +49,9 @@ pub fn local_addresses() -> std::io::Result<Vec<IpAddr>> {
 pub fn usable_for_nodeport(ip: &IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_unspecified(),
-        IpAddr::V6(v6) => !v6.is_loopback() && !v6.is_unspecified() && (v6.segments()[0] & 0xffc0) != 0xfe80,
+        IpAddr::V6(v6) => {
+            !v6.is_loopback() && !v6.is_unspecified() && (v6.segments()[0] & 0xffc0) != 0xfe80
+        }
     }
 }
 
@@ -72,10 +74,16 @@ mod tests {
     #[test]
     fn loopback_and_link_local_are_not_nodeport_addresses() {
         for bad in ["127.0.0.1", "127.5.0.1", "::1", "fe80::1", "0.0.0.0"] {
-            assert!(!usable_for_nodeport(&bad.parse().unwrap()), "{bad} must not serve NodePorts");
+            assert!(
+                !usable_for_nodeport(&bad.parse().unwrap()),
+                "{bad} must not serve NodePorts"
+            );
         }
         for good in ["10.0.0.1", "192.168.1.5", "fd00::1", "2001:db8::5"] {
-            assert!(usable_for_nodeport(&good.parse().unwrap()), "{good} must serve NodePorts");
+            assert!(
+                usable_for_nodeport(&good.parse().unwrap()),
+                "{good} must serve NodePorts"
+            );
         }
     }
 }

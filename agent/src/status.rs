@@ -44,7 +44,9 @@ impl Status {
             return false;
         }
         match (self.last_queued, self.last_updated) {
-            (Some(q), Some(u)) if q > u => now.duration_since(q).unwrap_or_default() < HEALTH_TIMEOUT,
+            (Some(q), Some(u)) if q > u => {
+                now.duration_since(q).unwrap_or_default() < HEALTH_TIMEOUT
+            }
             _ => true,
         }
     }

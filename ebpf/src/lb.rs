@@ -8,9 +8,9 @@ use aya_log_ebpf::warn;
 use ferry_common::{
     Addr,
     lb::{
-        AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, Backend,
-        BACKEND_F_LOCAL, BACKEND_F_TERMINATING, MAX_BACKENDS_PER_SERVICE, MemberKey,
-        SVC_F_AFFINITY, SVC_F_DROP, SVC_F_LOCAL_POLICY, SVC_F_TERMINATING_FALLBACK, ServiceKey,
+        AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, BACKEND_F_LOCAL,
+        BACKEND_F_TERMINATING, Backend, MAX_BACKENDS_PER_SERVICE, MemberKey, SVC_F_AFFINITY,
+        SVC_F_DROP, SVC_F_LOCAL_POLICY, SVC_F_TERMINATING_FALLBACK, ServiceKey,
     },
     metrics::{
         COUNT_AFFINITY_FULL, COUNT_AFFINITY_HIT, COUNT_BACKEND_MISSING, COUNT_DROP_NO_LOCAL,
@@ -52,7 +52,14 @@ pub(crate) fn select<C: EbpfContext>(
     scope: u8,
     client: &Client,
 ) -> Verdict {
-    let mut key = ServiceKey { addr, port, slot: 0, proto, scope, _pad: [0; 2] };
+    let mut key = ServiceKey {
+        addr,
+        port,
+        slot: 0,
+        proto,
+        scope,
+        _pad: [0; 2],
+    };
     // SAFETY: values are plain data; a concurrent update can at worst give a stale copy.
     let svc = match unsafe { SERVICES.get(&key) } {
         Some(v) => *v,
@@ -69,13 +76,21 @@ pub(crate) fn select<C: EbpfContext>(
     let now = unsafe { bpf_ktime_get_ns() };
     let affinity_key = if svc.flags & SVC_F_AFFINITY != 0 {
         Some((
-            AffinityKey { client: client.netns, svc_id: svc.svc_id, kind: AFFINITY_KIND_CLIENT },
+            AffinityKey {
+                client: client.netns,
+                svc_id: svc.svc_id,
+                kind: AFFINITY_KIND_CLIENT,
+            },
             svc.affinity_timeout_s as u64 * 1_000_000_000,
         ))
     } else {
         client.sticky_socket.map(|cookie| {
             (
-                AffinityKey { client: cookie, svc_id: svc.svc_id, kind: AFFINITY_KIND_SOCKET },
+                AffinityKey {
+                    client: cookie,
+                    svc_id: svc.svc_id,
+                    kind: AFFINITY_KIND_SOCKET,
+                },
                 UDP_STICKY_NS,
             )
         })
@@ -84,11 +99,18 @@ pub(crate) fn select<C: EbpfContext>(
     if let Some((akey, timeout_ns)) = affinity_key {
         if let Some(backend) = remembered_backend(&akey, svc.svc_id, svc.flags, now, timeout_ns) {
             count(COUNT_AFFINITY_HIT);
-            return Verdict::Forward { backend, svc_id: svc.svc_id };
+            return Verdict::Forward {
+                backend,
+                svc_id: svc.svc_id,
+            };
         }
     }
 
-    let n = if svc.count > MAX_BACKENDS_PER_SERVICE { MAX_BACKENDS_PER_SERVICE } else { svc.count };
+    let n = if svc.count > MAX_BACKENDS_PER_SERVICE {
+        MAX_BACKENDS_PER_SERVICE
+    } else {
+        svc.count
+    };
     // SAFETY: helper without preconditions.
     let r = unsafe { bpf_get_prandom_u32() };
     key.slot = (r % n as u32) as u16 + 1;
@@ -98,7 +120,10 @@ pub(crate) fn select<C: EbpfContext>(
         Some(v) => v.backend_id,
         None => {
             count(COUNT_BACKEND_MISSING);
-            warn!(ctx, "ferry: service id {} slot {} missing", svc.svc_id, key.slot);
+            warn!(
+                ctx,
+                "ferry: service id {} slot {} missing", svc.svc_id, key.slot
+            );
             return Verdict::Pass;
         }
     };
@@ -106,30 +131,49 @@ pub(crate) fn select<C: EbpfContext>(
         Some(b) => *b,
         None => {
             count(COUNT_BACKEND_MISSING);
-            warn!(ctx, "ferry: service id {} backend {} missing", svc.svc_id, backend_id);
+            warn!(
+                ctx,
+                "ferry: service id {} backend {} missing", svc.svc_id, backend_id
+            );
             return Verdict::Pass;
         }
     };
     if let Some((akey, _)) = affinity_key {
-        let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
+        let value = AffinityValue {
+            last_used_ns: now,
+            backend_id,
+            _pad: 0,
+        };
         if AFFINITY.insert(&akey, &value, 0).is_err() {
             count(COUNT_AFFINITY_FULL);
         }
     }
-    Verdict::Forward { backend, svc_id: svc.svc_id }
+    Verdict::Forward {
+        backend,
+        svc_id: svc.svc_id,
+    }
 }
 
 /// The backend an affinity or stickiness entry points at, if the entry is fresh and the
 /// backend still belongs to this frontend's set. Refreshes the entry's timestamp.
 #[inline(always)]
-fn remembered_backend(akey: &AffinityKey, svc_id: u32, svc_flags: u16, now: u64, timeout_ns: u64) -> Option<Backend> {
+fn remembered_backend(
+    akey: &AffinityKey,
+    svc_id: u32,
+    svc_flags: u16,
+    now: u64,
+    timeout_ns: u64,
+) -> Option<Backend> {
     let entry = AFFINITY.get_ptr_mut(akey)?;
     // SAFETY: pointer from a successful lookup; LRU entries stay valid for this program run.
     let value = unsafe { &mut *entry };
     if now.wrapping_sub(value.last_used_ns) > timeout_ns {
         return None;
     }
-    let member = MemberKey { svc_id, backend_id: value.backend_id };
+    let member = MemberKey {
+        svc_id,
+        backend_id: value.backend_id,
+    };
     // SAFETY: read-only lookup of plain data.
     unsafe { MEMBERS.get(&member) }?;
     // SAFETY: as above.

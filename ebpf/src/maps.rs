@@ -16,8 +16,7 @@ use ferry_common::{
 pub(crate) static META: Array<Meta> = Array::with_max_entries(1, 0);
 
 #[map(name = "FERRY_SVC")]
-pub(crate) static SERVICES: HashMap<ServiceKey, ServiceValue> =
-    HashMap::with_max_entries(65536, 0);
+pub(crate) static SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(65536, 0);
 
 #[map(name = "FERRY_BACKENDS")]
 pub(crate) static BACKENDS: HashMap<u32, Backend> = HashMap::with_max_entries(65536, 0);

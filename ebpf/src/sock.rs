@@ -49,7 +49,12 @@ fn read_addr(ctx: &SockAddrContext, family: Family) -> Addr {
     match family {
         Family::V4 => addr_from_v4_be(sa.user_ip4),
         // Word by word: the verifier allows only 4-byte access to user_ip6.
-        Family::V6 => [sa.user_ip6[0], sa.user_ip6[1], sa.user_ip6[2], sa.user_ip6[3]],
+        Family::V6 => [
+            sa.user_ip6[0],
+            sa.user_ip6[1],
+            sa.user_ip6[2],
+            sa.user_ip6[3],
+        ],
     }
 }
 
@@ -95,7 +100,9 @@ fn refuse(errno: i32) -> i32 {
 /// connect4/6 and sendmsg4/6: translate a Service address to a backend.
 #[inline(always)]
 pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: bool) -> i32 {
-    let Some(proto) = proto_of(ctx) else { return ALLOW };
+    let Some(proto) = proto_of(ctx) else {
+        return ALLOW;
+    };
     if per_datagram && proto != PROTO_UDP {
         return ALLOW;
     }
@@ -104,7 +111,10 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
     // SAFETY: both helpers are valid for cgroup sock_addr programs (5.7+).
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let client = Client { netns, sticky_socket: if per_datagram { Some(cookie) } else { None } };
+    let client = Client {
+        netns,
+        sticky_socket: if per_datagram { Some(cookie) } else { None },
+    };
     match select(ctx, vip, vport, proto, SCOPE_LOCAL_ORIGIN, &client) {
         Verdict::Pass => ALLOW,
         Verdict::Reject => refuse(ECONNREFUSED),
@@ -115,8 +125,18 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
             if !write_addr(ctx, family, &backend.addr, backend.port) {
                 return ALLOW;
             }
-            let key = RevNatKey { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
-            let value = RevNatValue { addr: vip, port: vport, _pad: [0; 2], svc_id };
+            let key = RevNatKey {
+                cookie,
+                addr: backend.addr,
+                port: backend.port,
+                _pad: [0; 6],
+            };
+            let value = RevNatValue {
+                addr: vip,
+                port: vport,
+                _pad: [0; 2],
+                svc_id,
+            };
             if REVNAT.insert(&key, &value, 0).is_err() {
                 count(COUNT_REVNAT_FULL);
             }
@@ -133,7 +153,12 @@ pub(crate) fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     let port = raw(ctx).user_port as u16;
     // SAFETY: valid for cgroup sock_addr programs.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = RevNatKey { cookie, addr, port, _pad: [0; 6] };
+    let key = RevNatKey {
+        cookie,
+        addr,
+        port,
+        _pad: [0; 6],
+    };
     // SAFETY: plain data read.
     if let Some(v) = unsafe { REVNAT.get(&key) } {
         let (vaddr, vport) = (v.addr, v.port);

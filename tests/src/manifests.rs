@@ -16,7 +16,13 @@ pub struct Ep {
 
 /// A ready endpoint.
 pub fn ep(ip: impl ToString) -> Ep {
-    Ep { ip: ip.to_string(), ready: true, serving: true, terminating: false, node: None }
+    Ep {
+        ip: ip.to_string(),
+        ready: true,
+        serving: true,
+        terminating: false,
+        node: None,
+    }
 }
 
 impl Ep {
@@ -42,7 +48,10 @@ pub fn service(name: &str, cluster_ips: &[&str], ports: &[Port<'_>], extra_spec:
     );
     s.push_str("  ports:\n");
     for (pname, port, proto) in ports {
-        let _ = writeln!(s, "  - name: \"{pname}\"\n    port: {port}\n    protocol: {proto}");
+        let _ = writeln!(
+            s,
+            "  - name: \"{pname}\"\n    port: {port}\n    protocol: {proto}"
+        );
     }
     s.push_str(extra_spec);
     s
@@ -54,7 +63,10 @@ pub fn slice(svc: &str, slice_name: &str, family: &str, ports: &[Port<'_>], eps:
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {slice_name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: {family}\nports:\n"
     );
     for (pname, port, proto) in ports {
-        let _ = writeln!(s, "- name: \"{pname}\"\n  port: {port}\n  protocol: {proto}");
+        let _ = writeln!(
+            s,
+            "- name: \"{pname}\"\n  port: {port}\n  protocol: {proto}"
+        );
     }
     s.push_str("endpoints:\n");
     for e in eps {

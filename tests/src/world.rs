@@ -2,6 +2,7 @@
 //! for clients, one bpffs directory and one manifests directory, and the agent.
 
 use std::{
+    collections::BTreeSet,
     ffi::CString,
     fs,
     io::{BufRead, BufReader, Read},
@@ -30,8 +31,27 @@ pub struct Outcome {
 impl Outcome {
     /// The backend's name: first word of the reply.
     pub fn backend(&self) -> Option<&str> {
-        self.reply.as_deref().and_then(|r| r.split_whitespace().next())
+        self.reply
+            .as_deref()
+            .and_then(|r| r.split_whitespace().next())
     }
+}
+
+/// The backends (first word of each reply) a set of attempts reached.
+pub fn backends(outs: &[Outcome]) -> BTreeSet<String> {
+    outs.iter()
+        .filter_map(|o| o.backend().map(String::from))
+        .collect()
+}
+
+/// A set of names, for comparing with [`backends`].
+pub fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+/// Every pod of the world, by name.
+pub fn all_pods(w: &World) -> BTreeSet<String> {
+    w.pods.iter().map(|p| p.name.clone()).collect()
 }
 
 pub const ECONNREFUSED: i32 = 111;
@@ -46,14 +66,21 @@ pub fn bin(name: &str) -> PathBuf {
     match name {
         "ferry" => std::env::var_os("FERRY_BIN")
             .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/ferry")),
-        other => Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release").join(other),
+            .unwrap_or_else(|| {
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/ferry")
+            }),
+        other => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/release")
+            .join(other),
     }
 }
 
 /// Runs a shell command; panics with its output when it fails.
 pub fn sh(cmd: &str) -> String {
-    let out = Command::new("bash").args(["-c", cmd]).output().expect("bash");
+    let out = Command::new("bash")
+        .args(["-c", cmd])
+        .output()
+        .expect("bash");
     assert!(
         out.status.success(),
         "command failed: {cmd}\nstdout: {}\nstderr: {}",
@@ -64,7 +91,11 @@ pub fn sh(cmd: &str) -> String {
 }
 
 fn sh_quiet(cmd: &str) {
-    let _ = Command::new("bash").args(["-c", cmd]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    let _ = Command::new("bash")
+        .args(["-c", cmd])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
 }
 
 /// Polls `f` until it returns Ok or the deadline passes; panics with the last error.
@@ -73,7 +104,9 @@ pub fn eventually<T>(what: &str, within: Duration, mut f: impl FnMut() -> Result
     loop {
         match f() {
             Ok(v) => return v,
-            Err(e) if Instant::now() >= deadline => panic!("{what}: not true within {within:?}; last: {e}"),
+            Err(e) if Instant::now() >= deadline => {
+                panic!("{what}: not true within {within:?}; last: {e}")
+            }
             Err(_) => std::thread::sleep(Duration::from_millis(50)),
         }
     }
@@ -82,11 +115,28 @@ pub fn eventually<T>(what: &str, within: Duration, mut f: impl FnMut() -> Result
 /// Fails (never skips) when the machine cannot run kernel tests, saying why.
 pub fn require_kernel() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "kernel tests need root (BPF, netns, cgroups): run `sudo cargo xtask test`");
-    assert!(Path::new("/sys/kernel/btf/vmlinux").exists() || Path::new("/proc/config.gz").exists(), "kernel without BTF or config: BPF tests cannot run");
-    assert!(bin("ferry").exists(), "{} missing: run `cargo xtask build` first", bin("ferry").display());
-    assert!(Command::new("ip").arg("-V").output().is_ok(), "iproute2 (`ip`) is missing: run `cargo xtask setup`");
-    if fs::read_to_string("/proc/mounts").map(|m| !m.lines().any(|l| l.contains(" /sys/fs/bpf bpf "))).unwrap_or(true) {
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "kernel tests need root (BPF, netns, cgroups): run `sudo cargo xtask test`"
+    );
+    assert!(
+        Path::new("/sys/kernel/btf/vmlinux").exists() || Path::new("/proc/config.gz").exists(),
+        "kernel without BTF or config: BPF tests cannot run"
+    );
+    assert!(
+        bin("ferry").exists(),
+        "{} missing: run `cargo xtask build` first",
+        bin("ferry").display()
+    );
+    assert!(
+        Command::new("ip").arg("-V").output().is_ok(),
+        "iproute2 (`ip`) is missing: run `cargo xtask setup`"
+    );
+    if fs::read_to_string("/proc/mounts")
+        .map(|m| !m.lines().any(|l| l.contains(" /sys/fs/bpf bpf ")))
+        .unwrap_or(true)
+    {
         sh("mount -t bpf bpf /sys/fs/bpf");
     }
     cgroup2_mount();
@@ -115,7 +165,8 @@ struct Enter {
 fn enter(netns: &str, cgroup: Option<&Path>) -> Enter {
     Enter {
         netns: CString::new(format!("/run/netns/{netns}")).unwrap(),
-        procs: cgroup.map(|c| CString::new(c.join("cgroup.procs").as_os_str().as_encoded_bytes()).unwrap()),
+        procs: cgroup
+            .map(|c| CString::new(c.join("cgroup.procs").as_os_str().as_encoded_bytes()).unwrap()),
     }
 }
 
@@ -142,7 +193,8 @@ pub fn spawn_in(netns: &str, cgroup: Option<&Path>, cmd: &mut Command) -> Child 
             Ok(())
         });
     }
-    cmd.spawn().unwrap_or_else(|e| panic!("spawning {cmd:?} in {netns}: {e}"))
+    cmd.spawn()
+        .unwrap_or_else(|e| panic!("spawning {cmd:?} in {netns}: {e}"))
 }
 
 pub struct Pod {
@@ -170,7 +222,11 @@ impl World {
     /// A node namespace and `pods` pod namespaces, each pod serving `ports` (TCP+UDP).
     pub fn new(test: &str, pods: usize, ports: &[u16]) -> World {
         require_kernel();
-        let id = format!("{}{}", std::process::id() % 100000, SEQ.fetch_add(1, Ordering::Relaxed));
+        let id = format!(
+            "{}{}",
+            std::process::id() % 100000,
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
         let name = format!("fy{id}");
         let workdir = std::env::temp_dir().join(format!("ferry-test-{test}-{id}"));
         let _ = fs::remove_dir_all(&workdir);
@@ -189,8 +245,12 @@ impl World {
             agent_runs: 0,
         };
         sh(&format!("ip netns add {}", w.node_ns));
-        sh(&format!("ip -n {0} link set lo up && ip -n {0} link add eth0 type veth peer name eth0peer && ip -n {0} link set eth0 up && ip -n {0} link set eth0peer up && ip -n {0} addr add {NODE_V4}/24 dev eth0 && ip -n {0} addr add {NODE_V6}/64 dev eth0 nodad", w.node_ns));
-        fs::create_dir_all(&cgroup).unwrap_or_else(|e| panic!("creating cgroup {}: {e}", cgroup.display()));
+        sh(&format!(
+            "ip -n {0} link set lo up && ip -n {0} link add eth0 type veth peer name eth0peer && ip -n {0} link set eth0 up && ip -n {0} link set eth0peer up && ip -n {0} addr add {NODE_V4}/24 dev eth0 && ip -n {0} addr add {NODE_V6}/64 dev eth0 nodad",
+            w.node_ns
+        ));
+        fs::create_dir_all(&cgroup)
+            .unwrap_or_else(|e| panic!("creating cgroup {}: {e}", cgroup.display()));
         for i in 1..=pods {
             w.add_pod(i, ports);
         }
@@ -213,16 +273,30 @@ impl World {
             node = self.node_ns
         ));
         let mut cmd = Command::new(bin("ferry-testsrv"));
-        cmd.arg(&name).args(ports.iter().map(|p| p.to_string())).stdout(Stdio::piped()).stderr(Stdio::null());
+        cmd.arg(&name)
+            .args(ports.iter().map(|p| p.to_string()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
         let mut child = spawn_in(&netns, None, &mut cmd);
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).expect("testsrv ready line");
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("testsrv ready line");
         assert_eq!(line.trim(), "ready", "test server in {netns} did not start");
-        self.pods.push(Pod { name, netns, v4, v6, server: Some(child) });
+        self.pods.push(Pod {
+            name,
+            netns,
+            v4,
+            v6,
+            server: Some(child),
+        });
     }
 
     pub fn pod(&self, name: &str) -> &Pod {
-        self.pods.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no pod {name}"))
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name}"))
     }
 
     /// Writes a manifest file (atomically, so the agent never reads half a file).
@@ -240,7 +314,11 @@ impl World {
     pub fn start_agent(&mut self, extra: &[&str]) {
         assert!(self.agent.is_none(), "agent already running");
         self.agent_runs += 1;
-        let log = fs::OpenOptions::new().create(true).append(true).open(&self.agent_log).expect("agent log");
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.agent_log)
+            .expect("agent log");
         let mut cmd = Command::new(bin("ferry"));
         cmd.arg("agent")
             .arg("--manifests")
@@ -249,7 +327,14 @@ impl World {
             .arg(&self.cgroup)
             .arg("--bpffs")
             .arg(&self.bpffs)
-            .args(["--node-name", "node1", "--health-addr", "127.0.0.1:10256", "--metrics-addr", "127.0.0.1:10249"])
+            .args([
+                "--node-name",
+                "node1",
+                "--health-addr",
+                "127.0.0.1:10256",
+                "--metrics-addr",
+                "127.0.0.1:10249",
+            ])
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone().unwrap())
@@ -258,10 +343,17 @@ impl World {
         let ns = self.node_ns.clone();
         eventually("agent /healthz 200", Duration::from_secs(30), || {
             if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
-                panic!("agent exited with {status} before it was ready:\n{}", self.agent_log());
+                panic!(
+                    "agent exited with {status} before it was ready:\n{}",
+                    self.agent_log()
+                );
             }
             let (code, body) = http_get(&ns, 10256, "/healthz")?;
-            if code == 200 { Ok(()) } else { Err(format!("{code} {body}")) }
+            if code == 200 {
+                Ok(())
+            } else {
+                Err(format!("{code} {body}"))
+            }
         });
     }
 
@@ -285,13 +377,21 @@ impl World {
     /// The same from another namespace (a pod), still inside the cgroup.
     pub fn probe_from(&self, netns: &str, mode: &str, addr: &str, count: usize) -> Vec<Outcome> {
         let mut cmd = Command::new(bin("ferry-probe"));
-        cmd.args([mode, addr, &count.to_string()]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args([mode, addr, &count.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let child = spawn_in(netns, Some(&self.cgroup), &mut cmd);
         let out = child.wait_with_output().expect("probe");
-        assert!(out.status.success(), "ferry-probe {mode} {addr} failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "ferry-probe {mode} {addr} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout)
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad probe line {l:?}: {e}")))
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad probe line {l:?}: {e}"))
+            })
             .collect()
     }
 
@@ -299,31 +399,57 @@ impl World {
     pub fn client(&self, program: &str, args: &[&str]) -> std::process::Output {
         let mut cmd = Command::new(program);
         cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
-        spawn_in(&self.node_ns, Some(&self.cgroup), &mut cmd).wait_with_output().expect("client")
+        spawn_in(&self.node_ns, Some(&self.cgroup), &mut cmd)
+            .wait_with_output()
+            .expect("client")
     }
 
     /// Starts `ferry-probe tcp-session ADDR` in the cgroup; returns the child with piped stdio.
     pub fn session(&self, addr: &str) -> Child {
         let mut cmd = Command::new(bin("ferry-probe"));
-        cmd.args(["tcp-session", addr]).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args(["tcp-session", addr])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         spawn_in(&self.node_ns, Some(&self.cgroup), &mut cmd)
     }
 
     /// `ferry list -o json` for this world's pins.
     pub fn list_json(&self) -> serde_json::Value {
-        let out = Command::new(bin("ferry")).arg("list").arg("--bpffs").arg(&self.bpffs).args(["-o", "json"]).output().expect("ferry list");
-        assert!(out.status.success(), "ferry list failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(bin("ferry"))
+            .arg("list")
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .args(["-o", "json"])
+            .output()
+            .expect("ferry list");
+        assert!(
+            out.status.success(),
+            "ferry list failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("ferry list json")
     }
 
     pub fn metrics(&self) -> String {
-        http_get(&self.node_ns, 10249, "/metrics").expect("metrics").1
+        http_get(&self.node_ns, 10249, "/metrics")
+            .expect("metrics")
+            .1
     }
 
     /// `ferry cleanup` for this world; returns its stdout.
     pub fn cleanup(&self) -> String {
-        let out = Command::new(bin("ferry")).arg("cleanup").arg("--bpffs").arg(&self.bpffs).output().expect("ferry cleanup");
-        assert!(out.status.success(), "ferry cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(bin("ferry"))
+            .arg("cleanup")
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .output()
+            .expect("ferry cleanup");
+        assert!(
+            out.status.success(),
+            "ferry cleanup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
@@ -340,10 +466,17 @@ impl Drop for World {
                 let _ = s.wait();
             }
         }
-        sh_quiet(&format!("{} cleanup --bpffs {}", bin("ferry").display(), self.bpffs.display()));
+        sh_quiet(&format!(
+            "{} cleanup --bpffs {}",
+            bin("ferry").display(),
+            self.bpffs.display()
+        ));
         // Processes left in the cgroup (a failed test's client) must go before rmdir.
         if let Ok(procs) = fs::read_to_string(self.cgroup.join("cgroup.procs")) {
-            for pid in procs.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+            for pid in procs
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
                 // SAFETY: signalling a process the test put in its own cgroup.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
@@ -359,7 +492,11 @@ impl Drop for World {
         }
         sh_quiet(&format!("ip netns del {}", self.node_ns));
         if std::thread::panicking() {
-            eprintln!("--- agent log ({}) ---\n{}", self.agent_log.display(), self.agent_log());
+            eprintln!(
+                "--- agent log ({}) ---\n{}",
+                self.agent_log.display(),
+                self.agent_log()
+            );
         }
         let _ = fs::remove_dir_all(&self.workdir);
     }
@@ -382,7 +519,11 @@ impl Teardown {
             // SAFETY: signalling processes this world started.
             unsafe { libc::kill(*pid, libc::SIGKILL) };
         }
-        sh_quiet(&format!("{} cleanup --bpffs {}", bin("ferry").display(), self.bpffs.display()));
+        sh_quiet(&format!(
+            "{} cleanup --bpffs {}",
+            bin("ferry").display(),
+            self.bpffs.display()
+        ));
         let _ = fs::remove_dir(&self.cgroup);
         for ns in &self.netns {
             sh_quiet(&format!("ip netns del {ns}"));
@@ -394,11 +535,21 @@ impl Teardown {
 impl World {
     /// A snapshot of what to remove; take it after the agent started.
     pub fn teardown(&self) -> Teardown {
-        let mut pids: Vec<i32> = self.pods.iter().filter_map(|p| p.server.as_ref().map(|c| c.id() as i32)).collect();
+        let mut pids: Vec<i32> = self
+            .pods
+            .iter()
+            .filter_map(|p| p.server.as_ref().map(|c| c.id() as i32))
+            .collect();
         pids.extend(self.agent.as_ref().map(|a| a.id() as i32));
         let mut netns: Vec<String> = self.pods.iter().map(|p| p.netns.clone()).collect();
         netns.push(self.node_ns.clone());
-        Teardown { pids, netns, cgroup: self.cgroup.clone(), bpffs: self.bpffs.clone(), workdir: self.workdir.clone() }
+        Teardown {
+            pids,
+            netns,
+            cgroup: self.cgroup.clone(),
+            bpffs: self.bpffs.clone(),
+            workdir: self.workdir.clone(),
+        }
     }
 }
 
@@ -412,14 +563,25 @@ pub fn http_get(netns: &str, port: u16, path: &str) -> Result<(u16, String), Str
         if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) } != 0 {
             return Err(format!("setns {ns}: {}", std::io::Error::last_os_error()));
         }
-        let mut s = TcpStream::connect_timeout(&(IpAddr::from([127, 0, 0, 1]), port).into(), Duration::from_secs(1))
-            .map_err(|e| e.to_string())?;
+        let mut s = TcpStream::connect_timeout(
+            &(IpAddr::from([127, 0, 0, 1]), port).into(),
+            Duration::from_secs(1),
+        )
+        .map_err(|e| e.to_string())?;
         s.set_read_timeout(Some(Duration::from_secs(2))).ok();
-        std::io::Write::write_all(&mut s, format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes()).map_err(|e| e.to_string())?;
+        std::io::Write::write_all(&mut s, format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+            .map_err(|e| e.to_string())?;
         let mut resp = String::new();
         s.read_to_string(&mut resp).map_err(|e| e.to_string())?;
-        let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or("no status")?;
-        let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        let code = resp
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or("no status")?;
+        let body = resp
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
         Ok((code, body))
     })
     .join()

@@ -1,27 +1,18 @@
 //! sessionAffinity ClientIP: stickiness per client (network namespace), expiry after
 //! timeoutSeconds without a new connection, and live on/off.
 
-use std::{
-    collections::BTreeSet,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use ferry_tests::*;
 
 const VIP: &str = "10.96.0.20";
 
-fn backends(outs: &[Outcome]) -> BTreeSet<String> {
-    outs.iter().filter_map(|o| o.backend().map(String::from)).collect()
-}
-
-fn all_pods(w: &World) -> BTreeSet<String> {
-    w.pods.iter().map(|p| p.name.clone()).collect()
-}
-
 fn affinity_spec(timeout: Option<u32>) -> String {
     let mut s = String::from("  sessionAffinity: ClientIP\n");
     if let Some(t) = timeout {
-        s.push_str(&format!("  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"));
+        s.push_str(&format!(
+            "  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
+        ));
     }
     s
 }
@@ -46,9 +37,16 @@ fn world(test: &str, extra_spec: &str) -> World {
 /// reached, failing if they were spread.
 fn sticky_backend(w: &World, netns: &str, count: usize, what: &str) -> String {
     let outs = w.probe_from(netns, "tcp", &format!("{VIP}:80"), count);
-    assert!(outs.iter().all(|o| o.ok), "{what}: every connect must succeed: {outs:?}");
+    assert!(
+        outs.iter().all(|o| o.ok),
+        "{what}: every connect must succeed: {outs:?}"
+    );
     let seen = backends(&outs);
-    assert_eq!(seen.len(), 1, "{what}: {count} connections with ClientIP affinity must reach one backend, saw {seen:?}");
+    assert_eq!(
+        seen.len(),
+        1,
+        "{what}: {count} connections with ClientIP affinity must reach one backend, saw {seen:?}"
+    );
     seen.into_iter().next().unwrap()
 }
 
@@ -68,7 +66,10 @@ fn client_ip_affinity_sticks_to_one_backend() {
     // Later connections, in separate probe processes, keep the same backend.
     for round in 0..3 {
         let again = sticky_backend(&w, &node_ns, 10, "node client, later");
-        assert_eq!(again, first, "round {round}: affinity must survive across processes of one client");
+        assert_eq!(
+            again, first,
+            "round {round}: affinity must survive across processes of one client"
+        );
     }
     // No timeoutSeconds: the API default is programmed.
     let list = w.list_json();
@@ -76,7 +77,11 @@ fn client_ip_affinity_sticks_to_one_backend() {
         .as_array()
         .and_then(|f| f.iter().find(|f| f["frontend"] == "10.96.0.20:80"))
         .map(|f| f["affinity_timeout_s"].clone());
-    assert_eq!(timeout, Some(serde_json::json!(10800)), "unset timeoutSeconds must program the API default 10800 s; list: {list}");
+    assert_eq!(
+        timeout,
+        Some(serde_json::json!(10800)),
+        "unset timeoutSeconds must program the API default 10800 s; list: {list}"
+    );
 }
 
 #[test]
@@ -90,7 +95,10 @@ fn affinity_expires_after_timeout_without_traffic() {
     while Instant::now() < kept_until {
         std::thread::sleep(Duration::from_millis(700));
         let b = sticky_backend(&w, &node_ns, 1, "within timeout");
-        assert_eq!(b, first, "a connection every 0.7 s must keep the 2 s affinity: expected {first}, saw {b}");
+        assert_eq!(
+            b, first,
+            "a connection every 0.7 s must keep the 2 s affinity: expected {first}, saw {b}"
+        );
     }
 
     // Idle past the timeout: a fresh choice is made. With 3 backends a new random choice
@@ -125,16 +133,34 @@ fn affinity_toggled_live() {
     sticky_backend(&w, &node_ns, 20, "affinity on");
 
     w.write_manifest("sticky.yaml", &off);
-    eventually("affinity off: connections spread over all pods again", Duration::from_secs(5), || {
-        let seen = backends(&w.probe("tcp", &format!("{VIP}:80"), 40));
-        if seen == all_pods(&w) { Ok(()) } else { Err(format!("expected {:?}, saw {seen:?}", all_pods(&w))) }
-    });
+    eventually(
+        "affinity off: connections spread over all pods again",
+        Duration::from_secs(5),
+        || {
+            let seen = backends(&w.probe("tcp", &format!("{VIP}:80"), 40));
+            if seen == all_pods(&w) {
+                Ok(())
+            } else {
+                Err(format!("expected {:?}, saw {seen:?}", all_pods(&w)))
+            }
+        },
+    );
 
     w.write_manifest("sticky.yaml", &on);
-    eventually("affinity on again: connections stick", Duration::from_secs(5), || {
-        let seen = backends(&w.probe("tcp", &format!("{VIP}:80"), 20));
-        if seen.len() == 1 { Ok(()) } else { Err(format!("expected one backend for 20 connections, saw {seen:?}")) }
-    });
+    eventually(
+        "affinity on again: connections stick",
+        Duration::from_secs(5),
+        || {
+            let seen = backends(&w.probe("tcp", &format!("{VIP}:80"), 20));
+            if seen.len() == 1 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "expected one backend for 20 connections, saw {seen:?}"
+                ))
+            }
+        },
+    );
     sticky_backend(&w, &node_ns, 20, "affinity on again, later");
 }
 
@@ -165,8 +191,16 @@ fn clients_in_different_namespaces_have_independent_affinity() {
     }
     // Both are still sticky afterwards, each to its own choice.
     let (node_choice, pod_choice) = rounds.last().cloned().unwrap();
-    assert_eq!(sticky_backend(&w, &node_ns, 10, "node client again"), node_choice, "node client must keep its backend");
-    assert_eq!(sticky_backend(&w, &pod_ns, 10, "pod1 client again"), pod_choice, "pod1 client must keep its backend");
+    assert_eq!(
+        sticky_backend(&w, &node_ns, 10, "node client again"),
+        node_choice,
+        "node client must keep its backend"
+    );
+    assert_eq!(
+        sticky_backend(&w, &pod_ns, 10, "pod1 client again"),
+        pod_choice,
+        "pod1 client must keep its backend"
+    );
 }
 
 #[test]
@@ -179,7 +213,12 @@ fn affinity_moves_when_the_chosen_backend_is_removed() {
     let node_ns = w.node_ns.clone();
     let gone = sticky_backend(&w, &node_ns, 10, "before removal");
 
-    let eps: Vec<Ep> = w.pods.iter().filter(|p| p.name != gone).map(|p| ep(p.v4)).collect();
+    let eps: Vec<Ep> = w
+        .pods
+        .iter()
+        .filter(|p| p.name != gone)
+        .map(|p| ep(p.v4))
+        .collect();
     w.write_manifest(
         "sticky.yaml",
         &docs(&[
@@ -188,23 +227,46 @@ fn affinity_moves_when_the_chosen_backend_is_removed() {
         ]),
     );
     // Its pod still runs: a stale affinity entry would keep reaching it.
-    let moved = eventually(&format!("affinity leaves removed backend {gone}"), Duration::from_secs(5), || {
-        let outs = w.probe("tcp", &format!("{VIP}:80"), 10);
-        let seen = backends(&outs);
-        match seen.iter().next() {
-            Some(b) if seen.len() == 1 && *b != gone && outs.iter().all(|o| o.ok) => Ok(b.clone()),
-            _ => Err(format!("expected one backend other than {gone}, saw {seen:?}")),
-        }
-    });
+    let moved = eventually(
+        &format!("affinity leaves removed backend {gone}"),
+        Duration::from_secs(5),
+        || {
+            let outs = w.probe("tcp", &format!("{VIP}:80"), 10);
+            let seen = backends(&outs);
+            match seen.iter().next() {
+                Some(b) if seen.len() == 1 && *b != gone && outs.iter().all(|o| o.ok) => {
+                    Ok(b.clone())
+                }
+                _ => Err(format!(
+                    "expected one backend other than {gone}, saw {seen:?}"
+                )),
+            }
+        },
+    );
     // Re-adding the old backend does not move the client back: the new entry holds.
     let m = manifest(&w, &on);
     w.write_manifest("sticky.yaml", &m);
-    eventually("backend list is whole again", Duration::from_secs(5), || {
-        let list = w.list_json();
-        let n = list["frontends"][0]["backends"].as_array().map(Vec::len).unwrap_or(0);
-        if n == 3 { Ok(()) } else { Err(format!("expected 3 backends, list: {list}")) }
-    });
-    assert_eq!(sticky_backend(&w, &node_ns, 20, "after re-adding"), moved, "the client must stay on {moved}");
+    eventually(
+        "backend list is whole again",
+        Duration::from_secs(5),
+        || {
+            let list = w.list_json();
+            let n = list["frontends"][0]["backends"]
+                .as_array()
+                .map(Vec::len)
+                .unwrap_or(0);
+            if n == 3 {
+                Ok(())
+            } else {
+                Err(format!("expected 3 backends, list: {list}"))
+            }
+        },
+    );
+    assert_eq!(
+        sticky_backend(&w, &node_ns, 20, "after re-adding"),
+        moved,
+        "the client must stay on {moved}"
+    );
 }
 
 #[test]
@@ -214,17 +276,33 @@ fn udp_from_one_client_shares_its_affinity() {
     w.write_manifest(
         "sticky.yaml",
         &docs(&[
-            service("sticky", &[VIP], &[("dns", 53, "UDP")], &affinity_spec(None)),
+            service(
+                "sticky",
+                &[VIP],
+                &[("dns", 53, "UDP")],
+                &affinity_spec(None),
+            ),
             slice("sticky", "sticky-1", "IPv4", &[("dns", 8080, "UDP")], &eps),
         ]),
     );
     w.start_agent(&[]);
     // `udp` uses a fresh socket per datagram: per-socket stickiness alone would spread them.
     let outs = w.probe("udp", &format!("{VIP}:53"), 20);
-    assert!(outs.iter().all(|o| o.ok), "every datagram must be answered: {outs:?}");
+    assert!(
+        outs.iter().all(|o| o.ok),
+        "every datagram must be answered: {outs:?}"
+    );
     let seen = backends(&outs);
-    assert_eq!(seen.len(), 1, "20 UDP sockets of one client with ClientIP affinity must reach one backend, saw {seen:?}");
+    assert_eq!(
+        seen.len(),
+        1,
+        "20 UDP sockets of one client with ClientIP affinity must reach one backend, saw {seen:?}"
+    );
     for o in &outs {
-        assert_eq!(o.from.as_deref(), Some("10.96.0.20:53"), "reply source must be the VIP: {o:?}");
+        assert_eq!(
+            o.from.as_deref(),
+            Some("10.96.0.20:53"),
+            "reply source must be the VIP: {o:?}"
+        );
     }
 }

@@ -16,7 +16,10 @@ const DEBIAN_RUST_SRC: &str = "/usr/lib/rustlib/src/rust/library";
 const BPF_RUSTFLAGS: &str = r#"build.rustflags=["--cfg=bpf_target_arch=\"x86_64\"","-Cdebuginfo=2","-Clink-arg=--btf","-Cpanic=abort"]"#;
 
 pub(crate) fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").into()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .into()
 }
 
 /// Where `build-ebpf` leaves the object; `agent/build.rs` embeds it from here.
@@ -57,7 +60,10 @@ fn find_toolchain() -> Result<Toolchain> {
 
 pub(crate) fn ebpf() -> Result<()> {
     if !setup::bpf_linker_present() {
-        bail!("bpf-linker is missing: run `cargo xtask setup` or `{}`", setup::LINKER_INSTALL);
+        bail!(
+            "bpf-linker is missing: run `cargo xtask setup` or `{}`",
+            setup::LINKER_INSTALL
+        );
     }
     let root = workspace_root();
     let target_dir = root.join("target/ebpf");
@@ -100,27 +106,55 @@ pub(crate) fn ebpf() -> Result<()> {
 pub(crate) fn all() -> Result<()> {
     ebpf()?;
     let mut cmd = cargo();
-    cmd.args(["build", "--release", "-p", "ferry-agent", "-p", "ferry-tests", "--bins"]);
+    cmd.args([
+        "build",
+        "--release",
+        "-p",
+        "ferry-agent",
+        "-p",
+        "ferry-tests",
+        "--bins",
+    ]);
     run(&mut cmd, "building target/release/ferry")?;
-    println!("build: {}", workspace_root().join("target/release/ferry").display());
+    println!(
+        "build: {}",
+        workspace_root().join("target/release/ferry").display()
+    );
     Ok(())
 }
 
 pub(crate) fn test(unit_only: bool, filter: Option<&str>) -> Result<()> {
     let mut unit = cargo();
     // Release, so the kernel tests below reuse the same build of every dependency.
-    unit.args(["test", "--release", "--workspace", "--exclude", "ferry-tests", "--exclude", "ferry-ebpf"]);
+    unit.args([
+        "test",
+        "--release",
+        "--workspace",
+        "--exclude",
+        "ferry-tests",
+        "--exclude",
+        "ferry-ebpf",
+    ]);
     run(&mut unit, "unit tests")?;
     if unit_only {
         return Ok(());
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc_geteuid() } != 0 {
-        bail!("kernel tests need root (BPF, network namespaces, cgroups): run `sudo cargo xtask test`, or `cargo xtask test --unit-only`");
+        bail!(
+            "kernel tests need root (BPF, network namespaces, cgroups): run `sudo cargo xtask test`, or `cargo xtask test --unit-only`"
+        );
     }
     all()?;
     let mut kernel = cargo();
-    kernel.args(["test", "--release", "-p", "ferry-tests", "--", "--test-threads=1"]);
+    kernel.args([
+        "test",
+        "--release",
+        "-p",
+        "ferry-tests",
+        "--",
+        "--test-threads=1",
+    ]);
     if let Some(f) = filter {
         kernel.arg(f);
     }
@@ -150,7 +184,9 @@ fn cargo() -> Command {
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<()> {
-    let status = cmd.status().with_context(|| format!("{what}: could not start {cmd:?}"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("{what}: could not start {cmd:?}"))?;
     if !status.success() {
         bail!("{what} failed ({status}): {cmd:?}");
     }

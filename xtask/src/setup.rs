@@ -22,7 +22,11 @@ pub(crate) const LINKER_INSTALL: &str = "LLVM_SYS_221_PREFIX=/usr/lib/llvm-22 PA
      cargo install bpf-linker --no-default-features --features llvm-22";
 
 pub(crate) fn run() -> Result<()> {
-    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !dpkg_installed(p)).collect();
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| !dpkg_installed(p))
+        .collect();
     if missing.is_empty() {
         println!("setup: Debian packages present");
     } else {
@@ -52,7 +56,10 @@ fn dpkg_installed(pkg: &str) -> bool {
 }
 
 pub(crate) fn bpf_linker_present() -> bool {
-    Command::new("bpf-linker").arg("--version").output().is_ok_and(|o| o.status.success())
+    Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
         || std::env::var_os("HOME")
             .is_some_and(|h| Path::new(&h).join(".cargo/bin/bpf-linker").exists())
 }

@@ -16,9 +16,18 @@ fn sys_bpf(cmd: libc::c_long, attr: &mut [u64; 16]) -> io::Result<libc::c_long> 
     // SAFETY: `attr` is a zeroed, 128-byte, 8-aligned buffer laid out as the command's
     // bpf_attr member; the kernel reads at most `size` bytes of it.
     let ret = unsafe {
-        libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), std::mem::size_of_val(attr) as u32)
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(attr) as u32,
+        )
     };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
 }
 
 /// Opens a pinned BPF object (map, program or link).

@@ -31,11 +31,17 @@ pub struct ApplyReport {
 type Named<T> = Result<T, (&'static str, MapError)>;
 
 fn take<T: TryFrom<Map, Error = MapError>>(ebpf: &mut Ebpf, name: &'static str) -> Named<T> {
-    let map = ebpf.take_map(name).ok_or((name, MapError::InvalidName { name: name.into() }))?;
+    let map = ebpf
+        .take_map(name)
+        .ok_or((name, MapError::InvalidName { name: name.into() }))?;
     T::try_from(map).map_err(|e| (name, e))
 }
 
-fn open<T: TryFrom<Map, Error = MapError>>(dir: &Path, name: &'static str, wrap: fn(MapData) -> Map) -> Named<T> {
+fn open<T: TryFrom<Map, Error = MapError>>(
+    dir: &Path,
+    name: &'static str,
+    wrap: fn(MapData) -> Map,
+) -> Named<T> {
     let data = MapData::from_pin(dir.join(name)).map_err(|e| (name, e))?;
     T::try_from(wrap(data)).map_err(|e| (name, e))
 }
@@ -80,7 +86,12 @@ impl KernelMaps {
     /// Counters summed over CPUs, indexed by `COUNT_*`.
     pub fn counters(&self) -> Vec<u64> {
         (0..COUNTERS_LEN)
-            .map(|i| self.counters.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0))
+            .map(|i| {
+                self.counters
+                    .get(&i, 0)
+                    .map(|v| v.iter().sum())
+                    .unwrap_or(0)
+            })
             .collect()
     }
 
@@ -111,19 +122,40 @@ impl KernelMaps {
         for m in &plan.member_upserts {
             match self.members.insert(m, 1, 0) {
                 Ok(()) => r.writes += 1,
-                Err(e) => r.failures.push(format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id)),
+                Err(e) => r.failures.push(format!(
+                    "member svc={} backend={}: {e}",
+                    m.svc_id, m.backend_id
+                )),
             }
         }
         for f in &plan.frontends {
-            let name = || format!("frontend {}/{}", fmt_endpoint(&f.slot0.addr, u16::from_be(f.slot0.port)), proto_name(f.slot0.proto));
-            if let Some(id) = f.slot_upserts.iter().map(|(_, v)| v.backend_id).find(|id| failed_backends.contains(id)) {
-                r.failures.push(format!("{}: backend {id} could not be written; frontend left as it was", name()));
+            let name = || {
+                format!(
+                    "frontend {}/{}",
+                    fmt_endpoint(&f.slot0.addr, u16::from_be(f.slot0.port)),
+                    proto_name(f.slot0.proto)
+                )
+            };
+            if let Some(id) = f
+                .slot_upserts
+                .iter()
+                .map(|(_, v)| v.backend_id)
+                .find(|id| failed_backends.contains(id))
+            {
+                r.failures.push(format!(
+                    "{}: backend {id} could not be written; frontend left as it was",
+                    name()
+                ));
                 continue;
             }
             let mut ok = true;
             for (k, v) in &f.slot_upserts {
                 if let Err(e) = self.services.insert(k, v, 0) {
-                    r.failures.push(format!("{} slot {}: {e}; frontend left as it was", name(), k.slot));
+                    r.failures.push(format!(
+                        "{} slot {}: {e}; frontend left as it was",
+                        name(),
+                        k.slot
+                    ));
                     ok = false;
                     break;
                 }
@@ -146,7 +178,10 @@ impl KernelMaps {
         for m in &plan.member_deletes {
             match self.members.remove(m) {
                 Ok(()) | Err(MapError::KeyNotFound) => r.writes += 1,
-                Err(e) => r.failures.push(format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id)),
+                Err(e) => r.failures.push(format!(
+                    "member svc={} backend={}: {e}",
+                    m.svc_id, m.backend_id
+                )),
             }
         }
         for id in &plan.backend_deletes {

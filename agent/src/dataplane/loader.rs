@@ -40,8 +40,15 @@ pub const PROGRAMS: [&str; 8] = [
     "ferry_connect6",
 ];
 
-pub const ALL_MAPS: [&str; 7] =
-    [META_MAP, SERVICES_MAP, BACKENDS_MAP, MEMBERS_MAP, AFFINITY_MAP, SOCK_REVNAT_MAP, COUNTERS_MAP];
+pub const ALL_MAPS: [&str; 7] = [
+    META_MAP,
+    SERVICES_MAP,
+    BACKENDS_MAP,
+    MEMBERS_MAP,
+    AFFINITY_MAP,
+    SOCK_REVNAT_MAP,
+    COUNTERS_MAP,
+];
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -65,19 +72,41 @@ pub enum LoaderError {
         "pinned maps in {path} use layout version {found}, this agent writes {expected}; \
          run `ferry cleanup --bpffs {path}` (drops live state) or run the matching agent"
     )]
-    LayoutMismatch { path: PathBuf, found: u32, expected: u32 },
+    LayoutMismatch {
+        path: PathBuf,
+        found: u32,
+        expected: u32,
+    },
     #[error("loading the eBPF object: {0}")]
     Load(#[from] aya::EbpfError),
     #[error("program {program}: {source}")]
-    Program { program: &'static str, source: aya::programs::ProgramError },
+    Program {
+        program: &'static str,
+        source: aya::programs::ProgramError,
+    },
     #[error("map {map}: {source}")]
-    Map { map: &'static str, source: aya::maps::MapError },
+    Map {
+        map: &'static str,
+        source: aya::maps::MapError,
+    },
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
-    #[error("program {program}: its attachment is not a bpf_link ({source}); kernel 5.7 or newer is needed")]
-    Link { program: &'static str, source: aya::programs::links::LinkError },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "program {program}: its attachment is not a bpf_link ({source}); kernel 5.7 or newer is needed"
+    )]
+    Link {
+        program: &'static str,
+        source: aya::programs::links::LinkError,
+    },
     #[error("pinning link {path}: {source}")]
-    Pin { path: PathBuf, source: aya::pin::PinError },
+    Pin {
+        path: PathBuf,
+        source: aya::pin::PinError,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -111,7 +140,9 @@ fn links_dir(bpffs: &Path) -> PathBuf {
 }
 
 fn is_bpffs(path: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
     // SAFETY: statfs writes into the zeroed struct we own; `c` is a valid C string.
     unsafe {
         let mut st: libc::statfs = std::mem::zeroed();
@@ -121,7 +152,10 @@ fn is_bpffs(path: &Path) -> bool {
 
 /// Makes sure `dir` exists on a bpffs, mounting /sys/fs/bpf when nothing is mounted there.
 fn prepare_bpffs(dir: &Path) -> Result<(), LoaderError> {
-    let err = |reason: String| LoaderError::Bpffs { path: dir.into(), reason };
+    let err = |reason: String| LoaderError::Bpffs {
+        path: dir.into(),
+        reason,
+    };
     let mut probe = dir.to_path_buf();
     while !probe.exists() {
         if !probe.pop() {
@@ -131,9 +165,16 @@ fn prepare_bpffs(dir: &Path) -> Result<(), LoaderError> {
     if !is_bpffs(&probe) {
         let default = Path::new("/sys/fs/bpf");
         if dir.starts_with(default) && !is_bpffs(default) {
-            mount_bpffs(default).map_err(|e| err(format!("no bpffs mounted and mounting /sys/fs/bpf failed: {e}")))?;
+            mount_bpffs(default).map_err(|e| {
+                err(format!(
+                    "no bpffs mounted and mounting /sys/fs/bpf failed: {e}"
+                ))
+            })?;
         } else {
-            return Err(err(format!("{} is not on a bpf filesystem; mount one (`mount -t bpf bpf /sys/fs/bpf`) or pick a directory below one", probe.display())));
+            return Err(err(format!(
+                "{} is not on a bpf filesystem; mount one (`mount -t bpf bpf /sys/fs/bpf`) or pick a directory below one",
+                probe.display()
+            )));
         }
     }
     fs::create_dir_all(links_dir(dir)).map_err(|e| err(format!("cannot create it: {e}")))
@@ -143,8 +184,20 @@ fn mount_bpffs(target: &Path) -> std::io::Result<()> {
     let c = |s: &str| std::ffi::CString::new(s).unwrap();
     let t = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: valid C strings; mount has no memory preconditions beyond that.
-    let rc = unsafe { libc::mount(c("bpf").as_ptr(), t.as_ptr(), c("bpf").as_ptr(), 0, std::ptr::null()) };
-    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    let rc = unsafe {
+        libc::mount(
+            c("bpf").as_ptr(),
+            t.as_ptr(),
+            c("bpf").as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// Reads the layout version pinned in `bpffs`, if any.
@@ -153,7 +206,10 @@ fn pinned_layout(bpffs: &Path) -> Result<Option<u32>, LoaderError> {
     if !path.exists() {
         return Ok(None);
     }
-    let map_err = |source| LoaderError::Map { map: META_MAP, source };
+    let map_err = |source| LoaderError::Map {
+        map: META_MAP,
+        source,
+    };
     let data = MapData::from_pin(&path).map_err(map_err)?;
     let meta: Array<MapData, Meta> = Array::try_from(Map::Array(data)).map_err(map_err)?;
     Ok(Some(meta.get(&0, 0).map_err(map_err)?.layout_version))
@@ -172,7 +228,11 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
 
     let adopted = match pinned_layout(&opts.bpffs)? {
         Some(found) if found != LAYOUT_VERSION => {
-            return Err(LoaderError::LayoutMismatch { path: opts.bpffs.clone(), found, expected: LAYOUT_VERSION });
+            return Err(LoaderError::LayoutMismatch {
+                path: opts.bpffs.clone(),
+                found,
+                expected: LAYOUT_VERSION,
+            });
         }
         Some(_) => true,
         None => false,
@@ -197,15 +257,36 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
 
     let mut meta: Array<_, Meta> = ebpf
         .take_map(META_MAP)
-        .ok_or(LoaderError::Map { map: META_MAP, source: aya::maps::MapError::InvalidName { name: META_MAP.into() } })
-        .and_then(|m| Array::try_from(m).map_err(|source| LoaderError::Map { map: META_MAP, source }))?;
-    meta.set(0, Meta { layout_version: LAYOUT_VERSION, _pad: 0 }, 0)
-        .map_err(|source| LoaderError::Map { map: META_MAP, source })?;
+        .ok_or(LoaderError::Map {
+            map: META_MAP,
+            source: aya::maps::MapError::InvalidName {
+                name: META_MAP.into(),
+            },
+        })
+        .and_then(|m| {
+            Array::try_from(m).map_err(|source| LoaderError::Map {
+                map: META_MAP,
+                source,
+            })
+        })?;
+    meta.set(
+        0,
+        Meta {
+            layout_version: LAYOUT_VERSION,
+            _pad: 0,
+        },
+        0,
+    )
+    .map_err(|source| LoaderError::Map {
+        map: META_MAP,
+        source,
+    })?;
 
     for name in PROGRAMS {
         attach_or_swap(&mut ebpf, name, &cgroup, cgroup_id, &opts.bpffs)?;
     }
-    let maps = KernelMaps::from_ebpf(&mut ebpf).map_err(|(map, source)| LoaderError::Map { map, source })?;
+    let maps = KernelMaps::from_ebpf(&mut ebpf)
+        .map_err(|(map, source)| LoaderError::Map { map, source })?;
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(l) => Some(l),
         Err(e) => {
@@ -213,14 +294,22 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
             None
         }
     };
-    Ok(Loaded { ebpf, maps, adopted, capacity, logger })
+    Ok(Loaded {
+        ebpf,
+        maps,
+        adopted,
+        capacity,
+        logger,
+    })
 }
 
 /// The capacity the maps really have: pinned maps keep the size they were created with,
 /// so the planner must plan against that, not against the flags.
 fn effective_capacity(opts: &LoadOptions) -> Capacity {
     let pinned = |name: &str, want: u32| -> u32 {
-        let Ok(info) = MapData::from_pin(opts.bpffs.join(name)).and_then(|d| d.info()) else { return want };
+        let Ok(info) = MapData::from_pin(opts.bpffs.join(name)).and_then(|d| d.info()) else {
+            return want;
+        };
         let pinned = info.max_entries() / HEADROOM;
         if pinned != want {
             warn!(
@@ -247,10 +336,16 @@ fn attach_or_swap(
     cgroup_id: u64,
     bpffs: &Path,
 ) -> Result<(), LoaderError> {
-    let prog_err = |source| LoaderError::Program { program: name, source };
+    let prog_err = |source| LoaderError::Program {
+        program: name,
+        source,
+    };
     let prog: &mut CgroupSockAddr = ebpf
         .program_mut(name)
-        .ok_or(LoaderError::Program { program: name, source: aya::programs::ProgramError::NotLoaded })?
+        .ok_or(LoaderError::Program {
+            program: name,
+            source: aya::programs::ProgramError::NotLoaded,
+        })?
         .try_into()
         .map_err(prog_err)?;
     prog.load().map_err(prog_err)?;
@@ -258,29 +353,50 @@ fn attach_or_swap(
     if pin.exists() {
         match bpf_sys::obj_get(&pin) {
             Ok(link) => {
-                let same_cgroup = bpf_sys::link_info(link.as_fd()).is_ok_and(|i| i.cgroup_id == cgroup_id);
+                let same_cgroup =
+                    bpf_sys::link_info(link.as_fd()).is_ok_and(|i| i.cgroup_id == cgroup_id);
                 if same_cgroup {
                     let prog_fd = prog.fd().map_err(prog_err)?;
-                    bpf_sys::link_update(link.as_fd(), prog_fd.as_fd())
-                        .map_err(|source| LoaderError::Io { what: "updating pinned link", path: pin.clone(), source })?;
+                    bpf_sys::link_update(link.as_fd(), prog_fd.as_fd()).map_err(|source| {
+                        LoaderError::Io {
+                            what: "updating pinned link",
+                            path: pin.clone(),
+                            source,
+                        }
+                    })?;
                     info!(program = name, "swapped program behind pinned link");
                     return Ok(());
                 }
-                warn!(program = name, "pinned link belongs to another cgroup; re-attaching");
+                warn!(
+                    program = name,
+                    "pinned link belongs to another cgroup; re-attaching"
+                );
             }
             Err(e) => warn!(program = name, error = %e, "stale link pin; re-attaching"),
         }
-        fs::remove_file(&pin).map_err(|source| LoaderError::Io { what: "removing stale link pin", path: pin.clone(), source })?;
+        fs::remove_file(&pin).map_err(|source| LoaderError::Io {
+            what: "removing stale link pin",
+            path: pin.clone(),
+            source,
+        })?;
     }
     // bpf_link attachments are always multi-attach; the kernel rejects any flag here, and
     // `Single` is the mode that passes none.
-    let link_id = prog.attach(cgroup, CgroupAttachMode::Single).map_err(prog_err)?;
+    let link_id = prog
+        .attach(cgroup, CgroupAttachMode::Single)
+        .map_err(prog_err)?;
     let link: FdLink = prog
         .take_link(link_id)
         .map_err(prog_err)?
         .try_into()
-        .map_err(|source| LoaderError::Link { program: name, source })?;
-    link.pin(&pin).map_err(|source| LoaderError::Pin { path: pin.clone(), source })?;
+        .map_err(|source| LoaderError::Link {
+            program: name,
+            source,
+        })?;
+    link.pin(&pin).map_err(|source| LoaderError::Pin {
+        path: pin.clone(),
+        source,
+    })?;
     info!(program = name, "attached");
     Ok(())
 }
@@ -299,7 +415,13 @@ pub fn cleanup(bpffs: &Path) -> Result<Vec<PathBuf>, LoaderError> {
         match fs::remove_dir(dir) {
             Ok(()) => removed.push(dir.to_path_buf()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(LoaderError::Io { what: "removing directory (not empty?)", path: dir.into(), source }),
+            Err(source) => {
+                return Err(LoaderError::Io {
+                    what: "removing directory (not empty?)",
+                    path: dir.into(),
+                    source,
+                });
+            }
         }
     }
     Ok(removed)
@@ -312,6 +434,10 @@ fn remove_if_present(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), Load
             Ok(())
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(LoaderError::Io { what: "removing pin", path: path.into(), source }),
+        Err(source) => Err(LoaderError::Io {
+            what: "removing pin",
+            path: path.into(),
+            source,
+        }),
     }
 }

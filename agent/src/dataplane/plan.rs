@@ -37,7 +37,10 @@ pub struct Capacity {
 
 impl Default for Capacity {
     fn default() -> Self {
-        Capacity { services: 65536, backends: 65536 }
+        Capacity {
+            services: 65536,
+            backends: 65536,
+        }
     }
 }
 
@@ -56,8 +59,14 @@ pub enum PlanError {
         free: u32,
         capacity: u32,
     },
-    #[error("{service}: {count} endpoints is more than ferry serves per frontend ({max}); not programmed")]
-    TooManyEndpoints { service: ServicePortId, count: usize, max: u16 },
+    #[error(
+        "{service}: {count} endpoints is more than ferry serves per frontend ({max}); not programmed"
+    )]
+    TooManyEndpoints {
+        service: ServicePortId,
+        count: usize,
+        max: u16,
+    },
 }
 
 /// What the maps hold (or must hold), as plain ordered collections.
@@ -85,7 +94,11 @@ impl Ids {
     /// Learns the ids already in the kernel: backends by tuple; service ids are claimed
     /// per frontend key while planning.
     pub fn adopt(current: &MapContent) -> Ids {
-        let mut ids = Ids { next_backend: 1, next_service: 1, ..Default::default() };
+        let mut ids = Ids {
+            next_backend: 1,
+            next_service: 1,
+            ..Default::default()
+        };
         for (id, b) in &current.backends {
             ids.backends.insert((b.addr, b.port, b.proto), *id);
             ids.next_backend = ids.next_backend.max(id + 1);
@@ -106,7 +119,12 @@ impl Ids {
         id
     }
 
-    fn service(&mut self, sp: &ServicePortState, current: &MapContent, taken: &BTreeSet<u32>) -> u32 {
+    fn service(
+        &mut self,
+        sp: &ServicePortState,
+        current: &MapContent,
+        taken: &BTreeSet<u32>,
+    ) -> u32 {
         if let Some(id) = self.services.get(&sp.id) {
             return *id;
         }
@@ -237,14 +255,20 @@ pub fn desired_content(
     let mut errors = Vec::new();
     let (live, new): (Vec<&ServicePortState>, Vec<&ServicePortState>) =
         desired.services.values().partition(|sp| {
-            sp.frontends.iter().any(|f| current.services.contains_key(&slot0_key(f, sp.id.protocol)))
+            sp.frontends
+                .iter()
+                .any(|f| current.services.contains_key(&slot0_key(f, sp.id.protocol)))
         });
     // Ids held by known ServicePorts are never adopted by another one.
     let mut taken: BTreeSet<u32> = ids.services.values().copied().collect();
     let mut placed = BTreeSet::new();
     let mut backend_tuples: BTreeSet<BackendTuple> = BTreeSet::new();
     for sp in live.into_iter().chain(new) {
-        if let Some(f) = sp.frontends.iter().find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize) {
+        if let Some(f) = sp
+            .frontends
+            .iter()
+            .find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize)
+        {
             errors.push(PlanError::TooManyEndpoints {
                 service: sp.id.clone(),
                 count: f.set.endpoints.len(),
@@ -302,10 +326,31 @@ fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent
             if e.local {
                 flags |= BACKEND_F_LOCAL;
             }
-            out.backends.insert(id, Backend { addr: tuple.0, port: tuple.1, proto, flags, _pad: 0 });
-            out.members.insert(MemberKey { svc_id, backend_id: id });
-            let key = ServiceKey { slot: i as u16 + 1, ..key0 };
-            out.services.insert(key, ServiceValue { backend_id: id, ..Default::default() });
+            out.backends.insert(
+                id,
+                Backend {
+                    addr: tuple.0,
+                    port: tuple.1,
+                    proto,
+                    flags,
+                    _pad: 0,
+                },
+            );
+            out.members.insert(MemberKey {
+                svc_id,
+                backend_id: id,
+            });
+            let key = ServiceKey {
+                slot: i as u16 + 1,
+                ..key0
+            };
+            out.services.insert(
+                key,
+                ServiceValue {
+                    backend_id: id,
+                    ..Default::default()
+                },
+            );
         }
         out.services.insert(
             key0,
@@ -355,7 +400,9 @@ impl Plan {
             + self
                 .frontends
                 .iter()
-                .map(|f| f.slot_upserts.len() + f.slot0_value.is_some() as usize + f.slot_deletes.len())
+                .map(|f| {
+                    f.slot_upserts.len() + f.slot0_value.is_some() as usize + f.slot_deletes.len()
+                })
                 .sum::<usize>()
             + self.frontend_deletes.len()
             + self.member_deletes.len()
@@ -367,9 +414,15 @@ fn frontend_of(k: &ServiceKey) -> ServiceKey {
     ServiceKey { slot: 0, ..*k }
 }
 
-fn writes_for<'a>(m: &'a mut BTreeMap<ServiceKey, FrontendWrites>, k: &ServiceKey) -> &'a mut FrontendWrites {
+fn writes_for<'a>(
+    m: &'a mut BTreeMap<ServiceKey, FrontendWrites>,
+    k: &ServiceKey,
+) -> &'a mut FrontendWrites {
     let f = frontend_of(k);
-    m.entry(f).or_insert_with(|| FrontendWrites { slot0: f, ..Default::default() })
+    m.entry(f).or_insert_with(|| FrontendWrites {
+        slot0: f,
+        ..Default::default()
+    })
 }
 
 pub fn diff(current: &MapContent, desired: &MapContent) -> Plan {
@@ -379,7 +432,11 @@ pub fn diff(current: &MapContent, desired: &MapContent) -> Plan {
             plan.backend_upserts.push((*id, *b));
         }
     }
-    plan.member_upserts = desired.members.difference(&current.members).copied().collect();
+    plan.member_upserts = desired
+        .members
+        .difference(&current.members)
+        .copied()
+        .collect();
 
     let mut per_frontend: BTreeMap<ServiceKey, FrontendWrites> = BTreeMap::new();
     for (k, v) in &desired.services {
@@ -393,8 +450,12 @@ pub fn diff(current: &MapContent, desired: &MapContent) -> Plan {
             w.slot_upserts.push((*k, *v));
         }
     }
-    let desired_frontends: BTreeSet<ServiceKey> =
-        desired.services.keys().filter(|k| k.slot == 0).copied().collect();
+    let desired_frontends: BTreeSet<ServiceKey> = desired
+        .services
+        .keys()
+        .filter(|k| k.slot == 0)
+        .copied()
+        .collect();
     for k in current.services.keys() {
         if desired.services.contains_key(k) {
             continue;
@@ -408,9 +469,17 @@ pub fn diff(current: &MapContent, desired: &MapContent) -> Plan {
     plan.frontends = per_frontend.into_values().collect();
     // Slot 0 (sorted first) must go before its slots when a frontend is removed.
     plan.frontend_deletes.sort();
-    plan.member_deletes = current.members.difference(&desired.members).copied().collect();
-    plan.backend_deletes =
-        current.backends.keys().filter(|id| !desired.backends.contains_key(id)).copied().collect();
+    plan.member_deletes = current
+        .members
+        .difference(&desired.members)
+        .copied()
+        .collect();
+    plan.backend_deletes = current
+        .backends
+        .keys()
+        .filter(|id| !desired.backends.contains_key(id))
+        .copied()
+        .collect();
     plan
 }
 
@@ -418,7 +487,11 @@ pub fn diff(current: &MapContent, desired: &MapContent) -> Plan {
 pub fn render_content(c: &MapContent) -> String {
     let mut s = String::new();
     for (k, v) in &c.services {
-        let scope = if k.scope == SCOPE_LOCAL_ORIGIN { "local" } else { "external" };
+        let scope = if k.scope == SCOPE_LOCAL_ORIGIN {
+            "local"
+        } else {
+            "external"
+        };
         let fe = fmt_endpoint(&k.addr, u16::from_be(k.port));
         if k.slot == 0 {
             let _ = writeln!(
@@ -428,10 +501,20 @@ pub fn render_content(c: &MapContent) -> String {
                 v.svc_id,
                 v.count,
                 flag_names(v.flags),
-                if v.flags & SVC_F_AFFINITY != 0 { format!(" timeout={}s", v.affinity_timeout_s) } else { String::new() },
+                if v.flags & SVC_F_AFFINITY != 0 {
+                    format!(" timeout={}s", v.affinity_timeout_s)
+                } else {
+                    String::new()
+                },
             );
         } else {
-            let _ = writeln!(s, "svc {fe}/{} {scope} slot={} backend={}", proto_name(k.proto), k.slot, v.backend_id);
+            let _ = writeln!(
+                s,
+                "svc {fe}/{} {scope} slot={} backend={}",
+                proto_name(k.proto),
+                k.slot,
+                v.backend_id
+            );
         }
     }
     for (id, b) in &c.backends {
@@ -440,8 +523,16 @@ pub fn render_content(c: &MapContent) -> String {
             "backend {id} {}/{}{}{}",
             fmt_endpoint(&b.addr, u16::from_be(b.port)),
             proto_name(b.proto),
-            if b.flags & BACKEND_F_LOCAL != 0 { " local" } else { "" },
-            if b.flags & BACKEND_F_TERMINATING != 0 { " terminating" } else { "" },
+            if b.flags & BACKEND_F_LOCAL != 0 {
+                " local"
+            } else {
+                ""
+            },
+            if b.flags & BACKEND_F_TERMINATING != 0 {
+                " terminating"
+            } else {
+                ""
+            },
         );
     }
     for m in &c.members {
@@ -467,8 +558,16 @@ pub fn flag_names(flags: u16) -> String {
         (SVC_F_NODEPORT, "nodeport"),
         (SVC_F_EXTERNAL, "external"),
     ];
-    let names: Vec<&str> = NAMES.iter().filter(|(f, _)| flags & f != 0).map(|(_, n)| *n).collect();
-    if names.is_empty() { "-".into() } else { names.join(",") }
+    let names: Vec<&str> = NAMES
+        .iter()
+        .filter(|(f, _)| flags & f != 0)
+        .map(|(_, n)| *n)
+        .collect();
+    if names.is_empty() {
+        "-".into()
+    } else {
+        names.join(",")
+    }
 }
 
 /// Planner tests: Kubernetes YAML -> model -> map content / plan, compared as text.
@@ -486,9 +585,16 @@ pub(crate) mod tests {
     /// Strips the common indentation of an indented raw string, and blank edges.
     pub(crate) fn dedent(text: &str) -> String {
         let lines: Vec<&str> = text.lines().skip_while(|l| l.trim().is_empty()).collect();
-        let indent =
-            lines.iter().filter(|l| !l.trim().is_empty()).map(|l| l.len() - l.trim_start().len()).min().unwrap_or(0);
-        let mut out: Vec<&str> = lines.iter().map(|l| l.get(indent..).unwrap_or("").trim_end()).collect();
+        let indent = lines
+            .iter()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| l.len() - l.trim_start().len())
+            .min()
+            .unwrap_or(0);
+        let mut out: Vec<&str> = lines
+            .iter()
+            .map(|l| l.get(indent..).unwrap_or("").trim_end())
+            .collect();
         while out.last().is_some_and(|l| l.is_empty()) {
             out.pop();
         }
@@ -497,7 +603,10 @@ pub(crate) mod tests {
 
     /// `node-a`, serving NodePorts on 192.168.1.10.
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), addresses: vec!["192.168.1.10".parse().unwrap()] }
+        NodeInfo {
+            name: "node-a".into(),
+            addresses: vec!["192.168.1.10".parse().unwrap()],
+        }
     }
 
     /// Services and EndpointSlices from a multi-document YAML stream -> the model's output.
@@ -508,13 +617,19 @@ pub(crate) mod tests {
             let value = serde_yaml::Value::deserialize(doc).expect("valid YAML");
             match value.get("kind").and_then(|k| k.as_str()) {
                 Some("Service") => services.push(serde_yaml::from_value(value).expect("a Service")),
-                Some("EndpointSlice") => slices.push(serde_yaml::from_value(value).expect("an EndpointSlice")),
+                Some("EndpointSlice") => {
+                    slices.push(serde_yaml::from_value(value).expect("an EndpointSlice"))
+                }
                 None => {} // empty document
                 other => panic!("unexpected kind {other:?}"),
             }
         }
         let state = model::compute(&services, &slices, &node());
-        assert!(state.problems.is_empty(), "fixture has problems: {:?}", state.problems);
+        assert!(
+            state.problems.is_empty(),
+            "fixture has problems: {:?}",
+            state.problems
+        );
         state
     }
 
@@ -541,7 +656,11 @@ pub(crate) mod tests {
 
     /// Joins YAML documents into one stream.
     pub(crate) fn docs(parts: &[String]) -> String {
-        parts.iter().map(|p| dedent(p)).collect::<Vec<_>>().join("---\n")
+        parts
+            .iter()
+            .map(|p| dedent(p))
+            .collect::<Vec<_>>()
+            .join("---\n")
     }
 
     /// One agent's planning state, as `agent.rs` keeps it; applying a plan is simulated.
@@ -553,12 +672,20 @@ pub(crate) mod tests {
 
     impl Planner {
         pub(crate) fn new() -> Planner {
-            Planner { ids: Ids::default(), current: MapContent::default(), cap: Capacity::default() }
+            Planner {
+                ids: Ids::default(),
+                current: MapContent::default(),
+                cap: Capacity::default(),
+            }
         }
 
         /// A fresh agent over maps a previous one left pinned.
         pub(crate) fn restart(current: MapContent, cap: Capacity) -> Planner {
-            Planner { ids: Ids::adopt(&current), current, cap }
+            Planner {
+                ids: Ids::adopt(&current),
+                current,
+                cap,
+            }
         }
 
         /// Plans `yaml`, applies the plan write by write (checking the kernel stays
@@ -568,7 +695,11 @@ pub(crate) mod tests {
             let (content, errors) = desired_content(&state, &mut self.ids, &self.current, self.cap);
             let plan = diff(&self.current, &content);
             let applied = apply(&self.current, &plan);
-            assert!(applied == content, "applying the plan does not reach the planned content:\n{}", render_plan(&plan));
+            assert!(
+                applied == content,
+                "applying the plan does not reach the planned content:\n{}",
+                render_plan(&plan)
+            );
             self.current = content;
             (plan, errors)
         }
@@ -584,7 +715,11 @@ pub(crate) mod tests {
         for (k, v) in c.services.iter().filter(|(k, _)| k.slot == 0) {
             for slot in 1..=v.count {
                 let Some(s) = c.services.get(&ServiceKey { slot, ..*k }) else {
-                    panic!("after {after}: {} slot {slot} of count {} is missing", key_text(k), v.count);
+                    panic!(
+                        "after {after}: {} slot {slot} of count {} is missing",
+                        key_text(k),
+                        v.count
+                    );
                 };
                 assert!(
                     c.backends.contains_key(&s.backend_id),
@@ -647,8 +782,17 @@ pub(crate) mod tests {
     }
 
     fn key_text(k: &ServiceKey) -> String {
-        let scope = if k.scope == SCOPE_LOCAL_ORIGIN { "local" } else { "external" };
-        format!("svc {}/{} {scope} slot={}", fmt_endpoint(&k.addr, u16::from_be(k.port)), proto_name(k.proto), k.slot)
+        let scope = if k.scope == SCOPE_LOCAL_ORIGIN {
+            "local"
+        } else {
+            "external"
+        };
+        format!(
+            "svc {}/{} {scope} slot={}",
+            fmt_endpoint(&k.addr, u16::from_be(k.port)),
+            proto_name(k.proto),
+            k.slot
+        )
     }
 
     /// One line per write, in the order the kernel applies them: `+` upsert, `-` delete.
@@ -659,15 +803,28 @@ pub(crate) mod tests {
             let _ = writeln!(s, "- {}", key_text(k));
         }
         for (id, b) in &p.backend_upserts {
-            s += &line(MapContent { backends: [(*id, *b)].into(), ..Default::default() });
+            s += &line(MapContent {
+                backends: [(*id, *b)].into(),
+                ..Default::default()
+            });
         }
         for m in &p.member_upserts {
-            s += &line(MapContent { members: [*m].into(), ..Default::default() });
+            s += &line(MapContent {
+                members: [*m].into(),
+                ..Default::default()
+            });
         }
         for f in &p.frontends {
-            let writes = f.slot_upserts.iter().copied().chain(f.slot0_value.map(|v| (f.slot0, v)));
+            let writes = f
+                .slot_upserts
+                .iter()
+                .copied()
+                .chain(f.slot0_value.map(|v| (f.slot0, v)));
             for (k, v) in writes {
-                s += &line(MapContent { services: [(k, v)].into(), ..Default::default() });
+                s += &line(MapContent {
+                    services: [(k, v)].into(),
+                    ..Default::default()
+                });
             }
             for k in &f.slot_deletes {
                 let _ = writeln!(s, "- {}", key_text(k));
@@ -685,7 +842,10 @@ pub(crate) mod tests {
     #[track_caller]
     pub(crate) fn assert_text(what: &str, actual: &str, expected: &str) {
         let expected = dedent(expected);
-        assert!(actual == expected, "{what} differs\n--- expected\n{expected}--- actual\n{actual}");
+        assert!(
+            actual == expected,
+            "{what} differs\n--- expected\n{expected}--- actual\n{actual}"
+        );
     }
 
     fn spid(name: &str) -> ServicePortId {
@@ -721,7 +881,11 @@ pub(crate) mod tests {
     #[test]
     fn cluster_ip_with_three_endpoints() {
         let mut p = Planner::new();
-        let (plan, errors) = p.sync(&web("web", "10.96.0.10", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]));
+        let (plan, errors) = p.sync(&web(
+            "web",
+            "10.96.0.10",
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        ));
         assert_eq!(errors, vec![]);
         assert_eq!(plan.len(), 3 + 3 + 4);
         assert_text(
@@ -925,7 +1089,11 @@ pub(crate) mod tests {
         let before = p.text();
         let (second, errors) = p.sync(&yaml);
         assert_eq!(errors, vec![]);
-        assert!(second.is_empty(), "second plan is not empty:\n{}", render_plan(&second));
+        assert!(
+            second.is_empty(),
+            "second plan is not empty:\n{}",
+            render_plan(&second)
+        );
         assert_eq!(second.len(), 0);
         assert_text("map content", &p.text(), &before);
     }
@@ -939,7 +1107,12 @@ pub(crate) mod tests {
             web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
             web("b", "10.96.0.2", &["10.0.0.7", "10.0.0.8"]),
         ]));
-        let b_before: Vec<String> = p.text().lines().filter(|l| l.contains("10.96.0.2:")).map(String::from).collect();
+        let b_before: Vec<String> = p
+            .text()
+            .lines()
+            .filter(|l| l.contains("10.96.0.2:"))
+            .map(String::from)
+            .collect();
         let (plan, _) = p.sync(&docs(&[
             web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.3", "10.0.0.4"]),
             web("b", "10.96.0.2", &["10.0.0.7", "10.0.0.8"]),
@@ -957,14 +1130,35 @@ pub(crate) mod tests {
             ",
         );
         let (frontends, svc_ids, backends) = touched(&plan);
-        let b_frontend = p.current.services.keys().find(|k| k.slot == 0 && fmt_endpoint(&k.addr, 0).starts_with("10.96.0.2:"));
+        let b_frontend = p
+            .current
+            .services
+            .keys()
+            .find(|k| k.slot == 0 && fmt_endpoint(&k.addr, 0).starts_with("10.96.0.2:"));
         let b_frontend = *b_frontend.expect("b's frontend");
         let b_id = p.current.services[&b_frontend].svc_id;
-        let b_backends: BTreeSet<u32> = p.current.members.iter().filter(|m| m.svc_id == b_id).map(|m| m.backend_id).collect();
-        assert!(!frontends.contains(&b_frontend), "plan touches b's frontend");
+        let b_backends: BTreeSet<u32> = p
+            .current
+            .members
+            .iter()
+            .filter(|m| m.svc_id == b_id)
+            .map(|m| m.backend_id)
+            .collect();
+        assert!(
+            !frontends.contains(&b_frontend),
+            "plan touches b's frontend"
+        );
         assert!(!svc_ids.contains(&b_id), "plan touches b's service id");
-        assert!(backends.is_disjoint(&b_backends), "plan touches b's backends {b_backends:?}");
-        let b_after: Vec<String> = p.text().lines().filter(|l| l.contains("10.96.0.2:")).map(String::from).collect();
+        assert!(
+            backends.is_disjoint(&b_backends),
+            "plan touches b's backends {b_backends:?}"
+        );
+        let b_after: Vec<String> = p
+            .text()
+            .lines()
+            .filter(|l| l.contains("10.96.0.2:"))
+            .map(String::from)
+            .collect();
         assert_eq!(b_before, b_after);
     }
 
@@ -995,7 +1189,11 @@ pub(crate) mod tests {
     fn order_grow_and_shrink() {
         let mut p = Planner::new();
         p.sync(&web("a", "10.96.0.1", &["10.0.0.1"]));
-        let (grow, _) = p.sync(&web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]));
+        let (grow, _) = p.sync(&web(
+            "a",
+            "10.96.0.1",
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        ));
         assert_text(
             "grow plan",
             &render_plan(&grow),
@@ -1047,7 +1245,10 @@ pub(crate) mod tests {
             web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
             web("b", "10.96.0.2", &["10.0.0.2"]),
         ]));
-        let (plan, _) = p.sync(&docs(&[web("b", "10.96.0.2", &["10.0.0.2"]), web("c", "10.96.0.3", &["10.0.0.3"])]));
+        let (plan, _) = p.sync(&docs(&[
+            web("b", "10.96.0.2", &["10.0.0.2"]),
+            web("c", "10.96.0.3", &["10.0.0.3"]),
+        ]));
         assert_text(
             "plan",
             &render_plan(&plan),
@@ -1071,7 +1272,10 @@ pub(crate) mod tests {
     #[test]
     fn restart_adopts_ids_and_writes_nothing() {
         let mut p = Planner::new();
-        p.sync(&docs(&[web("a", "10.96.0.1", &["10.0.0.1"]), web("b", "10.96.0.2", &["10.0.0.2"])]));
+        p.sync(&docs(&[
+            web("a", "10.96.0.1", &["10.0.0.1"]),
+            web("b", "10.96.0.2", &["10.0.0.2"]),
+        ]));
         // Churn so that ids are no longer 1..n in name order.
         let yaml = docs(&[
             web("b", "10.96.0.2", &["10.0.0.2", "10.0.0.5"]),
@@ -1105,7 +1309,10 @@ pub(crate) mod tests {
         assert!(plan.is_empty(), "restart writes:\n{}", render_plan(&plan));
         assert_text("map content", &restarted.text(), &before);
 
-        let (plan, _) = restarted.sync(&docs(&[yaml.clone(), web("aa", "10.96.0.5", &["10.0.0.1", "10.0.0.2"])]));
+        let (plan, _) = restarted.sync(&docs(&[
+            yaml.clone(),
+            web("aa", "10.96.0.5", &["10.0.0.1", "10.0.0.2"]),
+        ]));
         assert_text(
             "plan",
             &render_plan(&plan),
@@ -1125,7 +1332,10 @@ pub(crate) mod tests {
     #[test]
     fn services_map_full() {
         let mut p = Planner::new();
-        p.cap = Capacity { services: 6, backends: 100 };
+        p.cap = Capacity {
+            services: 6,
+            backends: 100,
+        };
         let (_, errors) = p.sync(&docs(&[
             web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
             web("b", "10.96.0.2", &["10.0.0.3", "10.0.0.4", "10.0.0.5"]),
@@ -1178,7 +1388,10 @@ pub(crate) mod tests {
     #[test]
     fn backends_map_full() {
         let mut p = Planner::new();
-        p.cap = Capacity { services: 100, backends: 3 };
+        p.cap = Capacity {
+            services: 100,
+            backends: 3,
+        };
         let (_, errors) = p.sync(&docs(&[
             web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
             web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.3", "10.0.0.4"]),
@@ -1196,7 +1409,11 @@ pub(crate) mod tests {
                 capacity: 3,
             }]
         );
-        assert!(errors[0].to_string().ends_with("raise --max-backends"), "{}", errors[0]);
+        assert!(
+            errors[0].to_string().ends_with("raise --max-backends"),
+            "{}",
+            errors[0]
+        );
         assert_text(
             "map content",
             &p.text(),
@@ -1229,7 +1446,10 @@ pub(crate) mod tests {
     fn programmed_service_is_placed_before_new_ones() {
         let zeta = web("zeta", "10.96.0.9", &["10.0.0.9"]);
         let both = docs(&[web("alpha", "10.96.0.1", &["10.0.0.1"]), zeta.clone()]);
-        let cap = Capacity { services: 3, backends: 100 };
+        let cap = Capacity {
+            services: 3,
+            backends: 100,
+        };
         let mut p = Planner::new();
         p.cap = cap;
         p.sync(&zeta);
@@ -1245,26 +1465,43 @@ pub(crate) mod tests {
 
         let (plan, errors) = p.sync(&both);
         assert_eq!(errors, alpha_full);
-        assert!(plan.is_empty(), "zeta is rewritten:\n{}", render_plan(&plan));
+        assert!(
+            plan.is_empty(),
+            "zeta is rewritten:\n{}",
+            render_plan(&plan)
+        );
         assert_text("map content", &p.text(), &before);
 
         let mut restarted = Planner::restart(p.current.clone(), cap);
         let (plan, errors) = restarted.sync(&both);
         assert_eq!(errors, alpha_full);
-        assert!(plan.is_empty(), "zeta is rewritten after a restart:\n{}", render_plan(&plan));
+        assert!(
+            plan.is_empty(),
+            "zeta is rewritten after a restart:\n{}",
+            render_plan(&plan)
+        );
     }
 
     /// More endpoints than one frontend can hold: that ServicePort alone is refused.
     #[test]
     fn too_many_endpoints() {
         let count = MAX_BACKENDS_PER_SERVICE as usize + 1;
-        let endpoints: Vec<String> = (0..count).map(|i| format!("10.1.{}.{}", i / 250, i % 250 + 1)).collect();
+        let endpoints: Vec<String> = (0..count)
+            .map(|i| format!("10.1.{}.{}", i / 250, i % 250 + 1))
+            .collect();
         let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
         let mut p = Planner::new();
-        let (_, errors) = p.sync(&docs(&[web("big", "10.96.0.1", &endpoints), web("small", "10.96.0.2", &["10.0.0.1"])]));
+        let (_, errors) = p.sync(&docs(&[
+            web("big", "10.96.0.1", &endpoints),
+            web("small", "10.96.0.2", &["10.0.0.1"]),
+        ]));
         assert_eq!(
             errors,
-            vec![PlanError::TooManyEndpoints { service: spid("big"), count, max: MAX_BACKENDS_PER_SERVICE }]
+            vec![PlanError::TooManyEndpoints {
+                service: spid("big"),
+                count,
+                max: MAX_BACKENDS_PER_SERVICE
+            }]
         );
         assert_eq!(
             errors[0].to_string(),
@@ -1301,7 +1538,10 @@ pub(crate) mod tests {
         let mut p = Planner::new();
         p.sync(&service("x", "10.96.0.2", "203.0.113.1", "10.0.0.2"));
         // 203.0.113.1 moves from x to the new Service a.
-        let moved = docs(&[service("a", "10.96.0.1", "203.0.113.1", "10.0.0.1"), service("x", "10.96.0.2", "", "10.0.0.2")]);
+        let moved = docs(&[
+            service("a", "10.96.0.1", "203.0.113.1", "10.0.0.1"),
+            service("x", "10.96.0.2", "", "10.0.0.2"),
+        ]);
         p.sync(&moved);
         let ids: BTreeMap<String, u32> = p
             .current
@@ -1310,8 +1550,14 @@ pub(crate) mod tests {
             .filter(|(k, _)| k.slot == 0)
             .map(|(k, v)| (fmt_endpoint(&k.addr, u16::from_be(k.port)), v.svc_id))
             .collect();
-        assert_eq!(ids["203.0.113.1:80"], ids["10.96.0.1:80"], "a's frontends share a's id: {ids:?}");
-        assert_ne!(ids["10.96.0.2:80"], ids["10.96.0.1:80"], "x and a share a service id: {ids:?}");
+        assert_eq!(
+            ids["203.0.113.1:80"], ids["10.96.0.1:80"],
+            "a's frontends share a's id: {ids:?}"
+        );
+        assert_ne!(
+            ids["10.96.0.2:80"], ids["10.96.0.1:80"],
+            "x and a share a service id: {ids:?}"
+        );
         let mut restarted = Planner::restart(p.current.clone(), p.cap);
         let (plan, _) = restarted.sync(&moved);
         assert!(plan.is_empty(), "restart writes:\n{}", render_plan(&plan));

@@ -34,7 +34,11 @@ pub enum IpFamily {
 
 impl IpFamily {
     pub fn of(addr: &IpAddr) -> IpFamily {
-        if addr.is_ipv4() { IpFamily::V4 } else { IpFamily::V6 }
+        if addr.is_ipv4() {
+            IpFamily::V4
+        } else {
+            IpFamily::V6
+        }
     }
 }
 

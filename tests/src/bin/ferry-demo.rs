@@ -36,7 +36,9 @@ fn main() {
         std::process::exit(130);
     });
 
-    println!("ferry demo: one node, three pods (HTTP :8080, UDP :5353), Services in a manifests directory\n");
+    println!(
+        "ferry demo: one node, three pods (HTTP :8080, UDP :5353), Services in a manifests directory\n"
+    );
     let mut w = World::new("demo", 3, &[8080, 5353]);
     let eps: Vec<Ep> = w.pods.iter().map(|p| ep(p.v4)).collect();
     let web = |eps: &[Ep]| {
@@ -63,27 +65,54 @@ fn main() {
     w.start_agent(&[]);
     *teardown.lock().unwrap() = Some(w.teardown());
     let log = w.agent_log();
-    let ready = log.lines().find_map(|l| l.split_once("ready: ")).map(|(_, r)| r.split(" services=").next().unwrap_or(r));
+    let ready = log
+        .lines()
+        .find_map(|l| l.split_once("ready: "))
+        .map(|(_, r)| r.split(" services=").next().unwrap_or(r));
     println!("agent ready: {}", ready.unwrap_or("(see the agent log)"));
 
     let spread = |w: &World| -> BTreeMap<String, usize> {
         let mut counts = BTreeMap::new();
         for _ in 0..30 {
-            let out = w.client("curl", &["-s", "--max-time", "2", &format!("http://{WEB}/")]);
+            let out = w.client(
+                "curl",
+                &["-s", "--max-time", "2", &format!("http://{WEB}/")],
+            );
             let body = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            *counts.entry(if body.is_empty() { "failed".into() } else { body }).or_default() += 1;
+            *counts
+                .entry(if body.is_empty() {
+                    "failed".into()
+                } else {
+                    body
+                })
+                .or_default() += 1;
         }
         counts
     };
-    println!("\n1. 30 x curl http://{WEB}/ (ClusterIP web:80 -> pods :8080): {:?}", spread(&w));
+    println!(
+        "\n1. 30 x curl http://{WEB}/ (ClusterIP web:80 -> pods :8080): {:?}",
+        spread(&w)
+    );
 
     w.write_manifest("web.yaml", &web(&eps[..2]));
     let took = std::time::Instant::now();
     eventually("pod3 removed", Duration::from_secs(3), || {
-        let seen: Vec<_> = w.probe("tcp", &format!("{WEB}:80"), 20).iter().filter_map(|o| o.backend().map(String::from)).collect();
-        if seen.iter().any(|b| b == "pod3") { Err(format!("{seen:?}")) } else { Ok(()) }
+        let seen: Vec<_> = w
+            .probe("tcp", &format!("{WEB}:80"), 20)
+            .iter()
+            .filter_map(|o| o.backend().map(String::from))
+            .collect();
+        if seen.iter().any(|b| b == "pod3") {
+            Err(format!("{seen:?}"))
+        } else {
+            Ok(())
+        }
     });
-    println!("2. pod3 removed from the EndpointSlice: in effect after {} ms; 30 x curl: {:?}", took.elapsed().as_millis(), spread(&w));
+    println!(
+        "2. pod3 removed from the EndpointSlice: in effect after {} ms; 30 x curl: {:?}",
+        took.elapsed().as_millis(),
+        spread(&w)
+    );
 
     let refused = &w.probe("tcp", &format!("{EMPTY}:80"), 1)[0];
     println!(
@@ -99,8 +128,16 @@ fn main() {
         udp.from.as_deref().unwrap_or("nowhere")
     );
 
-    let list = std::process::Command::new(bin("ferry")).arg("list").arg("--bpffs").arg(&w.bpffs).output().expect("ferry list");
-    println!("\n`ferry list` now:\n{}", String::from_utf8_lossy(&list.stdout));
+    let list = std::process::Command::new(bin("ferry"))
+        .arg("list")
+        .arg("--bpffs")
+        .arg(&w.bpffs)
+        .output()
+        .expect("ferry list");
+    println!(
+        "\n`ferry list` now:\n{}",
+        String::from_utf8_lossy(&list.stdout)
+    );
     drop(w);
     println!("demo world removed (namespaces, cgroup, pins)");
 }

@@ -32,7 +32,12 @@ struct Outcome {
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 fn fail(e: std::io::Error, started: Instant) -> Outcome {
-    Outcome { errno: e.raw_os_error(), error: Some(e.to_string()), ms: started.elapsed().as_millis(), ..Default::default() }
+    Outcome {
+        errno: e.raw_os_error(),
+        error: Some(e.to_string()),
+        ms: started.elapsed().as_millis(),
+        ..Default::default()
+    }
 }
 
 fn tcp(addr: SocketAddr) -> Outcome {
@@ -49,14 +54,29 @@ fn tcp(addr: SocketAddr) -> Outcome {
     }
     let mut line = String::new();
     match BufReader::new(s).read_line(&mut line) {
-        Ok(n) if n > 0 => Outcome { ok: true, reply: Some(line.trim().into()), peer, ms: t.elapsed().as_millis(), ..Default::default() },
-        Ok(_) => Outcome { peer, error: Some("connection closed without reply".into()), ms: t.elapsed().as_millis(), ..Default::default() },
+        Ok(n) if n > 0 => Outcome {
+            ok: true,
+            reply: Some(line.trim().into()),
+            peer,
+            ms: t.elapsed().as_millis(),
+            ..Default::default()
+        },
+        Ok(_) => Outcome {
+            peer,
+            error: Some("connection closed without reply".into()),
+            ms: t.elapsed().as_millis(),
+            ..Default::default()
+        },
         Err(e) => Outcome { peer, ..fail(e, t) },
     }
 }
 
 fn bind_any(addr: &SocketAddr) -> std::io::Result<UdpSocket> {
-    let s = if addr.is_ipv4() { UdpSocket::bind("0.0.0.0:0")? } else { UdpSocket::bind("[::]:0")? };
+    let s = if addr.is_ipv4() {
+        UdpSocket::bind("0.0.0.0:0")?
+    } else {
+        UdpSocket::bind("[::]:0")?
+    };
     s.set_read_timeout(Some(TIMEOUT))?;
     Ok(s)
 }
@@ -81,10 +101,18 @@ fn udp(addr: SocketAddr, connected: bool) -> Outcome {
         }
         s.send_to(b"hi", addr)?;
         let (n, from) = s.recv_from(&mut buf)?;
-        Ok(Outcome { ok: true, reply: Some(String::from_utf8_lossy(&buf[..n]).into()), from: Some(from.to_string()), ..Default::default() })
+        Ok(Outcome {
+            ok: true,
+            reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
+            from: Some(from.to_string()),
+            ..Default::default()
+        })
     };
     match run() {
-        Ok(o) => Outcome { ms: t.elapsed().as_millis(), ..o },
+        Ok(o) => Outcome {
+            ms: t.elapsed().as_millis(),
+            ..o
+        },
         Err(e) => fail(e, t),
     }
 }
@@ -102,7 +130,10 @@ fn udp_multi(addr: SocketAddr, count: usize) {
     let mut buf = [0u8; 2048];
     for i in 0..count {
         let t = Instant::now();
-        let out = match s.send_to(format!("hi{i}").as_bytes(), addr).and_then(|_| s.recv_from(&mut buf)) {
+        let out = match s
+            .send_to(format!("hi{i}").as_bytes(), addr)
+            .and_then(|_| s.recv_from(&mut buf))
+        {
             Ok((n, from)) => Outcome {
                 ok: true,
                 reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
@@ -124,7 +155,10 @@ fn udp_session(addr: SocketAddr) {
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let t = Instant::now();
-        let out = match s.send_to(line.as_bytes(), addr).and_then(|_| s.recv_from(&mut buf)) {
+        let out = match s
+            .send_to(line.as_bytes(), addr)
+            .and_then(|_| s.recv_from(&mut buf))
+        {
             Ok((n, from)) => Outcome {
                 ok: true,
                 reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
@@ -154,8 +188,16 @@ fn session(addr: SocketAddr) {
             Ok(()) => {
                 let mut reply = String::new();
                 match r.read_line(&mut reply) {
-                    Ok(n) if n > 0 => Outcome { ok: true, reply: Some(reply.trim().into()), ms: t.elapsed().as_millis(), ..Default::default() },
-                    Ok(_) => Outcome { error: Some("closed".into()), ..Default::default() },
+                    Ok(n) if n > 0 => Outcome {
+                        ok: true,
+                        reply: Some(reply.trim().into()),
+                        ms: t.elapsed().as_millis(),
+                        ..Default::default()
+                    },
+                    Ok(_) => Outcome {
+                        error: Some("closed".into()),
+                        ..Default::default()
+                    },
                     Err(e) => fail(e, t),
                 }
             }
@@ -168,7 +210,10 @@ fn session(addr: SocketAddr) {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map(String::as_str).unwrap_or("");
-    let addr: SocketAddr = args.get(1).and_then(|a| a.parse().ok()).expect("usage: ferry-probe MODE ADDR:PORT [COUNT]");
+    let addr: SocketAddr = args
+        .get(1)
+        .and_then(|a| a.parse().ok())
+        .expect("usage: ferry-probe MODE ADDR:PORT [COUNT]");
     let count: usize = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(1);
     if mode == "tcp-session" {
         return session(addr);

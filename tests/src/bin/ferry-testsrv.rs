@@ -16,7 +16,8 @@ fn main() {
     let ports: Vec<u16> = args.map(|p| p.parse().expect("port")).collect();
     let mut handles = Vec::new();
     for port in ports {
-        let tcp = TcpListener::bind(("::", port)).unwrap_or_else(|e| panic!("tcp bind {port}: {e}"));
+        let tcp =
+            TcpListener::bind(("::", port)).unwrap_or_else(|e| panic!("tcp bind {port}: {e}"));
         let udp = UdpSocket::bind(("::", port)).unwrap_or_else(|e| panic!("udp bind {port}: {e}"));
         let n = name.clone();
         handles.push(thread::spawn(move || serve_tcp(tcp, n)));
@@ -40,7 +41,11 @@ fn serve_tcp(l: TcpListener, name: String) {
                 let Ok(line) = line else { break };
                 if line.starts_with("GET ") {
                     let body = format!("{name}\n");
-                    let _ = write!(w, "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+                    let _ = write!(
+                        w,
+                        "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
                     break;
                 }
                 if writeln!(w, "{name} {line}").is_err() {
@@ -54,7 +59,9 @@ fn serve_tcp(l: TcpListener, name: String) {
 fn serve_udp(s: UdpSocket, name: String) {
     let mut buf = [0u8; 65536];
     loop {
-        let Ok((n, from)) = s.recv_from(&mut buf) else { continue };
+        let Ok((n, from)) = s.recv_from(&mut buf) else {
+            continue;
+        };
         let reply = format!("{name} {}", String::from_utf8_lossy(&buf[..n]));
         let _ = s.send_to(reply.as_bytes(), from);
     }
