@@ -1,10 +1,35 @@
-//! Sources turn the world into Kubernetes objects (Services and EndpointSlices).
+//! Sources turn the world into Kubernetes objects (Services, EndpointSlices, this Node).
 //!
-//! A source knows nothing about BPF or about kube-proxy's rules: it only reads,
-//! validates and merges objects into an [`Objects`] snapshot that the model consumes.
-//! Today the only source is a directory of manifests ([`manifests`]).
+//! A source knows nothing about BPF or about kube-proxy's rules: it reads, validates and
+//! reports objects as [`SourceEvent`]s. The agent keeps the store, coalesces bursts of
+//! events into one sync, and recomputes only the Services an event touched.
+//! - [`manifests`]: a directory of YAML/JSON, rescanned every 200 ms;
+//! - [`kube`]: the Kubernetes API through kube-rs watchers.
 
+pub mod kube;
 pub mod manifests;
 pub mod store;
 
+use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 pub use store::{ObjectKey, Objects};
+
+/// What a source tells the agent, in order, over an unbounded channel.
+#[derive(Clone, Debug)]
+pub enum SourceEvent {
+    /// The complete set of Services (initial list, relist after 410 Gone or a dropped
+    /// watch, or a manifests rescan). Replaces every Service the agent knew.
+    ServicesReset(Vec<Service>),
+    /// The complete set of EndpointSlices, likewise.
+    SlicesReset(Vec<EndpointSlice>),
+    ServiceApplied(Service),
+    ServiceDeleted(ObjectKey),
+    SliceApplied(EndpointSlice),
+    SliceDeleted(ObjectKey),
+    /// This node's Node object; `None` when it does not exist (yet).
+    Node(Option<Box<Node>>),
+    /// Every initial list has arrived: the agent may do its first full sync.
+    Synced,
+    /// The source lost (false) or regained (true) its view of the world, for health
+    /// reporting; the last programmed state stays in the kernel either way.
+    Connected(bool),
+}

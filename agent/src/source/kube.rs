@@ -1,0 +1,1 @@
+//! placeholder: the Kubernetes API source (being written).
