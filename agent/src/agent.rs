@@ -1,7 +1,11 @@
-//! The agent's sync loop: source -> model -> plan -> maps, plus the HTTP endpoints.
+//! The agent's sync loop: source events -> engine (model, per dirty Service) -> planner
+//! (incremental) -> maps, plus the HTTP endpoints.
+//!
+//! Events are drained before each sync, so a burst of changes becomes one map update
+//! per affected Service, and Services the burst did not touch are never rewritten.
 
 use std::{
-    collections::BTreeSet,
+    collections::BTreeMap,
     net::{IpAddr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -9,25 +13,35 @@ use std::{
 };
 
 use ferry_common::lb::{BACKENDS_MAP, SERVICES_MAP};
-use tokio::{signal::unix::SignalKind, sync::watch};
+use tokio::{
+    signal::unix::SignalKind,
+    sync::{mpsc, watch},
+};
 use tracing::{error, info, warn};
 
 use crate::{
     dataplane::{
-        self, Capacity, Ids, KernelMaps, LoadOptions, MapContent,
-        loader::LoaderError,
-        plan::{desired_content, diff},
+        self, Capacity, KernelMaps, LoadOptions, Plan, PlanError, Programmed, loader::LoaderError,
     },
+    engine::{Dirty, Engine, node_eligible},
     http::{self, Endpoints},
-    model::{self, NodeInfo},
+    model::{DesiredState, NodeInfo, ServicePortId},
     node,
-    source::{Objects, manifests::ManifestsSource},
+    source::{self, SourceEvent, manifests::ManifestsSource},
     status::{SharedStatus, Status},
 };
 
 #[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// A directory of manifests, rescanned every 200 ms.
+    Manifests(PathBuf),
+    /// The Kubernetes API: this kubeconfig, or in-cluster config when `None`.
+    Kube { kubeconfig: Option<PathBuf> },
+}
+
+#[derive(Clone, Debug)]
 pub struct AgentConfig {
-    pub manifests: PathBuf,
+    pub source: SourceConfig,
     pub node_name: String,
     /// Fixed NodePort addresses; `None` follows the node's local addresses live.
     pub node_ips: Option<Vec<IpAddr>>,
@@ -40,14 +54,10 @@ pub struct AgentConfig {
 pub enum AgentError {
     #[error(transparent)]
     Loader(#[from] LoaderError),
-    #[error("--manifests: {0}")]
-    Manifests(String),
+    #[error("{0}")]
+    Source(String),
     #[error("{flag} {addr}: cannot listen: {source}")]
-    Listen {
-        flag: &'static str,
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Listen { flag: &'static str, addr: SocketAddr, source: std::io::Error },
     #[error("reading the pinned maps: {0}")]
     ReadMaps(#[from] aya::maps::MapError),
     #[error("detecting node addresses: {0}")]
@@ -57,41 +67,106 @@ pub enum AgentError {
 /// How often the node's addresses are re-read when they are not fixed by `--node-ip`.
 const NODE_ADDR_POLL: Duration = Duration::from_secs(2);
 const MANIFEST_POLL: Duration = Duration::from_millis(200);
-
-struct Syncer {
-    maps: KernelMaps,
-    current: MapContent,
-    ids: Ids,
-    capacity: Capacity,
-    node: NodeInfo,
-    status: SharedStatus,
-    seen_problems: BTreeSet<String>,
-    /// The last apply had failed writes: retry on the next resync tick.
-    needs_retry: bool,
-}
-
 /// How soon a sync whose writes failed is retried (kube-proxy resyncs periodically too).
 const RETRY_PERIOD: Duration = Duration::from_secs(5);
 
+struct Syncer {
+    maps: KernelMaps,
+    engine: Engine,
+    /// None until the first full sync (and again after a failed apply: the next sync
+    /// re-reads the kernel and plans everything).
+    programmed: Option<Programmed>,
+    capacity: Capacity,
+    status: SharedStatus,
+    /// ServicePorts that did not fit; retried on every sync (space may have freed).
+    plan_errors: BTreeMap<ServicePortId, PlanError>,
+    logged: std::collections::BTreeSet<String>,
+    needs_retry: bool,
+}
+
 impl Syncer {
-    fn sync(&mut self, objects: &Objects) {
+    /// Brings the maps up to date with the store, recomputing only `dirty` Services.
+    fn sync(&mut self, dirty: &Dirty) {
         let started = Instant::now();
-        let desired = model::compute(&objects.services_vec(), &objects.slices_vec(), &self.node);
-        self.report_model(&desired);
-        let (content, plan_errors) =
-            desired_content(&desired, &mut self.ids, &self.current, self.capacity);
-        for e in &plan_errors {
+        let changes = self.engine.recompute(dirty);
+        let (plan, errors) = match self.programmed.as_mut() {
+            Some(p) => {
+                let mut ids: Vec<ServicePortId> = changes.iter().map(|(id, _)| id.clone()).collect();
+                ids.extend(self.plan_errors.keys().filter(|id| !p.is_programmed(id)).cloned());
+                ids.sort();
+                ids.dedup();
+                let desired = self.engine.desired();
+                let batch: Vec<(ServicePortId, Option<&_>)> =
+                    ids.into_iter().map(|id| { let s = desired.get(&id); (id, s) }).collect();
+                for (id, _) in &batch {
+                    self.plan_errors.remove(id);
+                }
+                p.update(&batch, self.capacity)
+            }
+            None => match self.full_plan() {
+                Ok(v) => v,
+                Err(e) => {
+                    error!("{e}");
+                    self.needs_retry = true;
+                    return;
+                }
+            },
+        };
+        for e in errors {
             error!("{e}");
+            let (PlanError::MapFull { service, .. } | PlanError::TooManyEndpoints { service, .. }) = &e;
+            self.plan_errors.insert(service.clone(), e.clone());
         }
-        let plan = diff(&self.current, &content);
         let report = self.maps.apply(&plan);
         self.needs_retry = !report.failures.is_empty();
-        self.current = if report.failures.is_empty() {
-            content
-        } else {
-            self.maps.read().unwrap_or(content)
-        };
-        let elapsed = started.elapsed();
+        if self.needs_retry {
+            // The kernel no longer matches the plan: re-read it and plan in full next time.
+            self.programmed = None;
+        }
+        self.log_model();
+        self.publish(started.elapsed(), &plan, report.writes);
+    }
+
+    /// Plans every ServicePort against what the kernel holds (first sync, recovery).
+    fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>), aya::maps::MapError> {
+        let current = self.maps.read()?;
+        self.engine.recompute(&Dirty { all: true, ..Default::default() });
+        let desired = DesiredState { services: self.engine.desired().clone(), ..Default::default() };
+        self.plan_errors.clear();
+        let (programmed, plan, errors) = Programmed::full(&desired, &current, self.capacity);
+        self.programmed = Some(programmed);
+        Ok((plan, errors))
+    }
+
+    /// Logs each problem and skip once (not on every sync), so the log stays readable.
+    fn log_model(&mut self) {
+        let (problems, skips) = self.engine.report();
+        let mut now_seen = std::collections::BTreeSet::new();
+        for p in &problems {
+            let line = p.to_string();
+            if !self.logged.contains(&line) {
+                error!("skipping invalid object: {line}; fix the object, the others are programmed");
+            }
+            now_seen.insert(line);
+        }
+        for s in &skips {
+            let line = format!("{} ({}): {}", s.object, s.reason, s.detail);
+            if !self.logged.contains(&line) {
+                info!("not proxied: {line}");
+            }
+            now_seen.insert(line);
+        }
+        self.logged = now_seen;
+        let mut st = self.status.lock().expect("status lock");
+        st.object_problems = problems.len();
+        st.skipped_by_reason.clear();
+        for s in &skips {
+            *st.skipped_by_reason.entry(s.reason).or_default() += 1;
+        }
+    }
+
+    fn publish(&mut self, elapsed: Duration, plan: &Plan, writes: usize) {
+        let Some(p) = self.programmed.as_ref() else { return };
         let mut s = self.status.lock().expect("status lock");
         let first = !s.synced;
         s.synced = true;
@@ -99,30 +174,19 @@ impl Syncer {
         s.syncs_total += 1;
         s.last_sync_duration = elapsed;
         s.sync_duration_sum += elapsed;
-        s.services_programmed = desired.services.len().saturating_sub(plan_errors.len());
-        s.frontends_programmed = self.current.services.keys().filter(|k| k.slot == 0).count();
-        s.backends_programmed = self.current.backends.len();
-        s.map_entries.insert(
-            SERVICES_MAP,
-            (self.current.services.len(), self.capacity.services),
-        );
-        s.map_entries.insert(
-            BACKENDS_MAP,
-            (self.current.backends.len(), self.capacity.backends),
-        );
-        s.map_write_failures_total += report.failures.len() as u64;
-        s.plan_errors = plan_errors.len();
-        s.object_problems = desired.problems.len();
-        s.skipped_by_reason.clear();
-        for skip in &desired.skips {
-            *s.skipped_by_reason.entry(skip.reason).or_default() += 1;
-        }
+        s.services_programmed = p.programmed_ports();
+        s.frontends_programmed = p.frontend_count();
+        s.backends_programmed = p.content.backends.len();
+        s.map_entries.insert(SERVICES_MAP, (p.content.services.len(), self.capacity.services));
+        s.map_entries.insert(BACKENDS_MAP, (p.content.backends.len(), self.capacity.backends));
+        s.plan_errors = self.plan_errors.len();
+        s.node_ineligible = !node_eligible(self.engine.store.node());
         if first {
             info!(
                 services = s.services_programmed,
                 frontends = s.frontends_programmed,
                 backends = s.backends_programmed,
-                writes = report.writes,
+                writes,
                 elapsed_ms = elapsed.as_millis() as u64,
                 "ready: first full sync programmed {} services ({} frontends) and {} backends",
                 s.services_programmed,
@@ -130,34 +194,8 @@ impl Syncer {
                 s.backends_programmed
             );
         } else if !plan.is_empty() {
-            info!(
-                writes = report.writes,
-                elapsed_us = elapsed.as_micros() as u64,
-                "synced"
-            );
+            info!(writes, elapsed_us = elapsed.as_micros() as u64, "synced");
         }
-    }
-
-    /// Logs each problem and skip once (not on every sync), so the log stays readable.
-    fn report_model(&mut self, desired: &model::DesiredState) {
-        let mut now_seen = BTreeSet::new();
-        for p in &desired.problems {
-            let line = p.to_string();
-            if !self.seen_problems.contains(&line) {
-                error!(
-                    "skipping invalid object: {line}; fix the object, the others are programmed"
-                );
-            }
-            now_seen.insert(line);
-        }
-        for s in &desired.skips {
-            let line = format!("{} ({}): {}", s.object, s.reason, s.detail);
-            if !self.seen_problems.contains(&line) {
-                info!("not proxied: {line}");
-            }
-            now_seen.insert(line);
-        }
-        self.seen_problems = now_seen;
     }
 
     fn refresh_counters(&self) {
@@ -185,12 +223,35 @@ async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
         return;
     };
     loop {
-        let Ok(mut guard) = fd.readable_mut().await else {
-            return;
-        };
+        let Ok(mut guard) = fd.readable_mut().await else { return };
         guard.get_inner_mut().flush();
         guard.clear_ready();
     }
+}
+
+/// Starts the manifests source: the first scan is sent before this returns, so a broken
+/// directory is reported before the first sync.
+fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status: SharedStatus) {
+    let mut source = ManifestsSource::new(dir);
+    let first = source.rescan();
+    status.lock().expect("status lock").source_errors = source::manifests::failing_files(&first.errors);
+    let objects = Arc::new(source.objects());
+    let send_all = |tx: &mpsc::UnboundedSender<SourceEvent>, o: &source::Objects| {
+        let _ = tx.send(SourceEvent::ServicesReset(o.services_vec()));
+        let _ = tx.send(SourceEvent::SlicesReset(o.slices_vec()));
+    };
+    send_all(&tx, &objects);
+    let _ = tx.send(SourceEvent::Synced);
+    let (wtx, mut wrx) = watch::channel(objects);
+    tokio::spawn(source::manifests::watch_with(source, MANIFEST_POLL, wtx, move |scan| {
+        status.lock().expect("status lock").source_errors = source::manifests::failing_files(&scan.errors);
+    }));
+    tokio::spawn(async move {
+        while wrx.changed().await.is_ok() {
+            let o = wrx.borrow_and_update().clone();
+            send_all(&tx, &o);
+        }
+    });
 }
 
 /// Runs until SIGTERM or SIGINT. Programs and maps stay pinned when it returns.
@@ -198,114 +259,115 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let status: SharedStatus = Arc::new(Mutex::new(Status::default()));
     let health = http::bind(cfg.health_addr)
         .await
-        .map_err(|source| AgentError::Listen {
-            flag: "--health-addr",
-            addr: cfg.health_addr,
-            source,
-        })?;
+        .map_err(|source| AgentError::Listen { flag: "--health-addr", addr: cfg.health_addr, source })?;
     let metrics = http::bind(cfg.metrics_addr)
         .await
-        .map_err(|source| AgentError::Listen {
-            flag: "--metrics-addr",
-            addr: cfg.metrics_addr,
-            source,
-        })?;
+        .map_err(|source| AgentError::Listen { flag: "--metrics-addr", addr: cfg.metrics_addr, source })?;
     tokio::spawn(http::serve(health, Endpoints::Health, status.clone()));
     tokio::spawn(http::serve(metrics, Endpoints::Metrics, status.clone()));
 
+    // The API client comes first: without it there is nothing to program, and its
+    // address is never a ClusterIP this agent has yet to program (bootstrap).
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    match &cfg.source {
+        SourceConfig::Manifests(dir) => start_manifests(dir.clone(), tx, status.clone()),
+        SourceConfig::Kube { kubeconfig } => {
+            let client = source::kube::client(kubeconfig.as_deref())
+                .await
+                .map_err(|e| AgentError::Source(e.to_string()))?;
+            tokio::spawn(source::kube::run(client, cfg.node_name.clone(), tx));
+        }
+    }
+
     let loaded = dataplane::load_and_attach(&cfg.load)?;
-    let current = loaded.maps.read()?;
     if loaded.adopted {
-        info!(
-            frontends = current.services.keys().filter(|k| k.slot == 0).count(),
-            backends = current.backends.len(),
-            "adopted pinned state from a previous agent; writing only the difference"
-        );
+        info!("adopted pinned state from a previous agent; writing only the difference");
     }
     let _ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
     if let Some(logger) = loaded.logger {
         tokio::spawn(forward_bpf_logs(logger));
     }
-    let capacity = loaded.capacity;
+    let node = NodeInfo { name: cfg.node_name.clone(), addresses: node_addresses(&cfg)?, zone: None };
+    info!(node = %node.name, addresses = ?node.addresses, "node");
     let mut syncer = Syncer {
-        ids: Ids::adopt(&current),
         maps: loaded.maps,
-        current,
-        capacity,
-        node: NodeInfo {
-            name: cfg.node_name.clone(),
-            addresses: node_addresses(&cfg)?,
-        },
+        engine: Engine::new(node),
+        programmed: None,
+        capacity: loaded.capacity,
         status: status.clone(),
-        seen_problems: BTreeSet::new(),
+        plan_errors: BTreeMap::new(),
+        logged: Default::default(),
         needs_retry: false,
     };
-    info!(node = %syncer.node.name, addresses = ?syncer.node.addresses, "node");
 
-    let mut source = ManifestsSource::new(cfg.manifests.clone());
-    // The watcher logs this scan's errors on its first tick; logging them here too
-    // would print each one twice.
-    let first = source.rescan();
-    status.lock().expect("status lock").source_errors =
-        crate::source::manifests::failing_files(&first.errors);
-    let mut objects = Arc::new(source.objects());
-    syncer.sync(&objects);
-
-    let (tx, mut rx) = watch::channel(objects.clone());
-    let scan_status = status.clone();
-    tokio::spawn(crate::source::manifests::watch_with(
-        source,
-        MANIFEST_POLL,
-        tx,
-        move |scan| {
-            scan_status.lock().expect("status lock").source_errors =
-                crate::source::manifests::failing_files(&scan.errors);
-        },
-    ));
-
-    let mut sigterm =
-        tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);
     let mut counter_tick = tokio::time::interval(Duration::from_secs(1));
     let mut retry_tick = tokio::time::interval(RETRY_PERIOD);
+    let mut synced_source = false;
+    let mut dirty = Dirty::default();
     loop {
         tokio::select! {
-            changed = rx.changed() => {
-                if changed.is_err() {
-                    warn!("manifests watcher stopped");
-                    break;
+            event = rx.recv() => {
+                let Some(event) = event else { warn!("the source stopped"); break };
+                // Coalesce: everything already queued joins this sync.
+                let mut next = Some(event);
+                while let Some(ev) = next {
+                    handle_event(ev, &mut syncer, &mut dirty, &mut synced_source);
+                    next = rx.try_recv().ok();
                 }
-                objects = rx.borrow_and_update().clone();
-                {
-                    let mut s = status.lock().expect("status lock");
-                    s.last_queued = Some(SystemTime::now());
-                    s.service_changes_total += 1;
+                if synced_source && (!dirty.is_empty() || syncer.programmed.is_none()) {
+                    status.lock().expect("status lock").last_queued = Some(SystemTime::now());
+                    syncer.sync(&std::mem::take(&mut dirty));
                 }
-                syncer.sync(&objects);
             }
             _ = node_tick.tick(), if cfg.node_ips.is_none() => {
                 match node_addresses(&cfg) {
-                    Ok(addrs) if addrs != syncer.node.addresses => {
+                    Ok(addrs) if addrs != syncer.engine.node.addresses => {
                         info!(addresses = ?addrs, "node addresses changed");
-                        syncer.node.addresses = addrs;
-                        syncer.sync(&objects);
+                        syncer.engine.node.addresses = addrs;
+                        dirty.all = true;
+                        if synced_source {
+                            syncer.sync(&std::mem::take(&mut dirty));
+                        }
                     }
                     Ok(_) => {}
                     Err(e) => warn!("{e}"),
                 }
             }
             _ = counter_tick.tick() => syncer.refresh_counters(),
-            _ = retry_tick.tick(), if syncer.needs_retry => {
-                warn!("retrying the map writes that failed");
-                syncer.current = match syncer.maps.read() {
-                    Ok(c) => c,
-                    Err(e) => { error!("reading the pinned maps: {e}"); continue; }
-                };
-                syncer.sync(&objects);
+            _ = retry_tick.tick(), if syncer.needs_retry && synced_source => {
+                warn!("retrying after failed map writes: re-reading the maps and planning in full");
+                syncer.sync(&Dirty { all: true, ..Default::default() });
             }
             _ = tokio::signal::ctrl_c() => { info!("SIGINT: exiting, programs and maps stay pinned"); break; }
             _ = sigterm.recv() => { info!("SIGTERM: exiting, programs and maps stay pinned"); break; }
         }
     }
     Ok(())
+}
+
+fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced: &mut bool) {
+    match &ev {
+        SourceEvent::Synced => *synced = true,
+        SourceEvent::Connected(up) => {
+            let mut s = syncer.status.lock().expect("status lock");
+            if s.source_connected != *up {
+                if *up {
+                    info!("source connected: watching for changes");
+                } else {
+                    warn!("source lost its connection: the programmed state stays in the kernel until it is back");
+                }
+            }
+            s.source_connected = *up;
+        }
+        SourceEvent::ServicesReset(_) | SourceEvent::ServiceApplied(_) | SourceEvent::ServiceDeleted(_) => {
+            syncer.status.lock().expect("status lock").service_changes_total += 1;
+        }
+        SourceEvent::SlicesReset(_) | SourceEvent::SliceApplied(_) | SourceEvent::SliceDeleted(_) => {
+            syncer.status.lock().expect("status lock").endpoint_changes_total += 1;
+        }
+        SourceEvent::Node(_) => {}
+    }
+    syncer.engine.store.apply(ev, dirty);
 }

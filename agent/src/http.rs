@@ -105,9 +105,11 @@ pub fn route(
 ) -> (u16, &'static str, String) {
     match (which, path) {
         (Endpoints::Health, "/healthz" | "/livez") => {
-            let healthy = s.healthy(now);
+            // /livez ignores node eligibility: a draining node is alive, just not a target.
+            let eligible = !s.node_ineligible;
+            let healthy = s.healthy(now) && (eligible || path == "/livez");
             let body = format!(
-                "{{\"lastUpdated\": \"{}\",\"currentTime\": \"{}\", \"nodeEligible\": true}}",
+                "{{\"lastUpdated\": \"{}\",\"currentTime\": \"{}\", \"nodeEligible\": {eligible}}}",
                 s.last_updated.map(rfc3339).unwrap_or_default(),
                 rfc3339(now)
             );

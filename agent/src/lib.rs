@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod dataplane;
+pub mod engine;
 pub mod http;
 pub mod list;
 pub mod model;

@@ -6,7 +6,7 @@ use std::{net::IpAddr, path::PathBuf, process::ExitCode};
 use anyhow::{Context, Result, anyhow};
 use clap::{Parser, Subcommand, ValueEnum};
 use ferry::{
-    agent::{self, AgentConfig},
+    agent::{self, AgentConfig, SourceConfig},
     dataplane::{self, Capacity, KernelMaps, LoadOptions, loader::MAX_CAPACITY},
     list, node,
     source::manifests,
@@ -55,7 +55,8 @@ struct AgentArgs {
     /// Directory of Service and EndpointSlice manifests (watched).
     #[arg(long)]
     manifests: Option<PathBuf>,
-    /// Kubernetes API access through a kubeconfig (not in this release).
+    /// Watch the Kubernetes API through this kubeconfig (in-cluster config is used when
+    /// neither source flag is given and KUBERNETES_SERVICE_HOST is set).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
     /// This node's name (endpoints with this nodeName are local).
@@ -150,23 +151,25 @@ fn default_cgroup() -> Result<PathBuf> {
 
 fn run_agent(a: AgentArgs) -> Result<()> {
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-    let manifests = match (&a.manifests, &a.kubeconfig, in_cluster) {
-        (Some(dir), None, _) => dir.clone(),
-        (None, Some(_), _) | (None, None, true) => {
-            return Err(usage(
-                "--kubeconfig / in-cluster: this release reads Services and EndpointSlices from --manifests DIR only",
-            ));
+    let source = match (&a.manifests, &a.kubeconfig) {
+        (Some(_), Some(_)) => return Err(usage("give exactly one of --manifests and --kubeconfig")),
+        (Some(dir), None) => {
+            manifests::check_dir(dir).map_err(|e| usage(e.to_string()))?;
+            SourceConfig::Manifests(dir.clone())
         }
-        (Some(_), Some(_), _) => {
-            return Err(usage("give exactly one of --manifests and --kubeconfig"));
+        (None, Some(path)) => {
+            if !path.is_file() {
+                return Err(usage(format!("--kubeconfig {}: no such file", path.display())));
+            }
+            SourceConfig::Kube { kubeconfig: Some(path.clone()) }
         }
-        (None, None, false) => {
+        (None, None) if in_cluster => SourceConfig::Kube { kubeconfig: None },
+        (None, None) => {
             return Err(usage(
-                "no source: give --manifests DIR (or --kubeconfig PATH, or run in-cluster)",
+                "no source: give --manifests DIR or --kubeconfig PATH (or run in-cluster, with KUBERNETES_SERVICE_HOST set)",
             ));
         }
     };
-    manifests::check_dir(&manifests).map_err(|e| usage(e.to_string()))?;
     let cgroup = match a.cgroup {
         Some(c) => c,
         None => default_cgroup()?,
@@ -195,7 +198,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         )));
     }
     let cfg = AgentConfig {
-        manifests,
+        source,
         node_name: a.node_name.unwrap_or_else(node::hostname),
         node_ips,
         load: LoadOptions {
@@ -217,7 +220,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(agent::run(cfg)).map_err(|e| match e {
-        agent::AgentError::Listen { .. } | agent::AgentError::Manifests(_) => usage(e.to_string()),
+        agent::AgentError::Listen { .. } | agent::AgentError::Source(_) => usage(e.to_string()),
         agent::AgentError::Loader(dataplane::loader::LoaderError::Cgroup { .. })
         | agent::AgentError::Loader(dataplane::loader::LoaderError::Bpffs { .. }) => {
             usage(e.to_string())

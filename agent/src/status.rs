@@ -30,6 +30,12 @@ pub struct Status {
     /// Per-reason datapath counters read from BPF (`COUNTER_NAMES` order).
     pub datapath: Vec<u64>,
     pub service_changes_total: u64,
+    pub endpoint_changes_total: u64,
+    /// False while this node's Node object is being deleted or drained (kube-proxy's
+    /// nodeEligible): `/healthz` answers 503, `/livez` is unaffected.
+    pub node_ineligible: bool,
+    /// The source currently reaches its objects (API server up); for logs and metrics.
+    pub source_connected: bool,
 }
 
 pub type SharedStatus = Arc<Mutex<Status>>;

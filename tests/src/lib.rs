@@ -5,6 +5,7 @@
 //! Kernel tests never skip: when root, BPF, netns or cgroup v2 is missing they fail
 //! with the reason.
 
+pub mod fakeapi;
 pub mod manifests;
 pub mod world;
 

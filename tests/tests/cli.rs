@@ -173,11 +173,17 @@ fn agent_with_missing_manifests_dir_exits_2() {
 }
 
 #[test]
-fn agent_with_kubeconfig_exits_2() {
+fn agent_with_bad_kubeconfig_exits_2() {
     let mut s = Scratch::new("kubeconfig");
     let cg = s.cgroup();
     let bpffs = s.bpffs();
     let kubeconfig = s.dir.join("kubeconfig");
+    let out = ferry(&agent_args(
+        &bpffs,
+        &[p("--kubeconfig"), &kubeconfig, p("--cgroup"), &cg],
+    ));
+    assert_exit(&out, 2, &["--kubeconfig", "no such file"], "ferry agent --kubeconfig MISSING");
+    // A kubeconfig without any context cannot reach an API server.
     fs::write(&kubeconfig, "apiVersion: v1\nkind: Config\n").unwrap();
     let out = ferry(&agent_args(
         &bpffs,
@@ -186,8 +192,8 @@ fn agent_with_kubeconfig_exits_2() {
     assert_exit(
         &out,
         2,
-        &["--kubeconfig", "this release", "--manifests"],
-        "ferry agent --kubeconfig",
+        &[kubeconfig.to_str().unwrap()],
+        "ferry agent --kubeconfig EMPTY",
     );
     let manifests = s.manifests();
     let out = ferry(&agent_args(

@@ -10,7 +10,10 @@ pub mod bpf_sys;
 pub mod kernel;
 pub mod loader;
 pub mod plan;
+pub mod programmed;
+pub mod sockdiag;
 
 pub use kernel::KernelMaps;
 pub use loader::{LoadOptions, cleanup, load_and_attach};
 pub use plan::{Capacity, Ids, MapContent, Plan, PlanError};
+pub use programmed::Programmed;

@@ -78,16 +78,27 @@ pub struct MapContent {
 }
 
 /// Identity of a backend entry.
-type BackendTuple = (Addr, u16, u8);
+pub(crate) type BackendTuple = (Addr, u16, u8);
+
+/// What one ServicePort placed in the maps, so an incremental update can remove or
+/// replace exactly its entries.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Owned {
+    pub svc_id: u32,
+    /// Every service-map key (slot 0 and slots) of its frontends.
+    pub keys: Vec<ServiceKey>,
+    /// Backend ids it references.
+    pub backends: BTreeSet<u32>,
+}
 
 /// Stable ids for backends and ServicePorts, kept across syncs and adopted from the
 /// pinned maps on restart, so unchanged services are never rewritten.
 #[derive(Clone, Debug, Default)]
 pub struct Ids {
-    backends: HashMap<BackendTuple, u32>,
-    services: HashMap<ServicePortId, u32>,
+    pub(crate) backends: HashMap<BackendTuple, u32>,
+    pub(crate) services: HashMap<ServicePortId, u32>,
     next_backend: u32,
-    next_service: u32,
+    pub(crate) next_service: u32,
 }
 
 impl Ids {
@@ -109,7 +120,7 @@ impl Ids {
         ids
     }
 
-    fn backend(&mut self, t: BackendTuple) -> u32 {
+    pub(crate) fn backend(&mut self, t: BackendTuple) -> u32 {
         if let Some(id) = self.backends.get(&t) {
             return *id;
         }
@@ -230,7 +241,7 @@ fn frontend_flags(sp: &ServicePortState, f: &FrontendState) -> u16 {
 }
 
 /// Entries one ServicePort adds: (service map entries, new backend tuples).
-fn footprint(sp: &ServicePortState) -> (u32, BTreeSet<BackendTuple>) {
+pub(crate) fn footprint(sp: &ServicePortState) -> (u32, BTreeSet<BackendTuple>) {
     let proto = proto_number(sp.id.protocol);
     let mut entries = 0u32;
     let mut backends = BTreeSet::new();
@@ -251,6 +262,18 @@ pub fn desired_content(
     current: &MapContent,
     cap: Capacity,
 ) -> (MapContent, Vec<PlanError>) {
+    let (out, errors, _) = desired_content_owned(desired, ids, current, cap);
+    (out, errors)
+}
+
+/// [`desired_content`], also saying which entries each ServicePort owns.
+pub fn desired_content_owned(
+    desired: &DesiredState,
+    ids: &mut Ids,
+    current: &MapContent,
+    cap: Capacity,
+) -> (MapContent, Vec<PlanError>, BTreeMap<ServicePortId, Owned>) {
+    let mut owners = BTreeMap::new();
     let mut out = MapContent::default();
     let mut errors = Vec::new();
     let (live, new): (Vec<&ServicePortState>, Vec<&ServicePortState>) =
@@ -306,13 +329,15 @@ pub fn desired_content(
         let svc_id = ids.service(sp, current, &taken);
         taken.insert(svc_id);
         placed.insert(sp.id.clone());
-        place(sp, svc_id, ids, &mut out);
+        owners.insert(sp.id.clone(), place(sp, svc_id, ids, &mut out));
     }
     ids.retain(&out, &placed);
-    (out, errors)
+    (out, errors, owners)
 }
 
-fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent) {
+/// Writes one ServicePort's entries into `out` and returns what it owns.
+pub(crate) fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent) -> Owned {
+    let mut owned = Owned { svc_id, ..Default::default() };
     let proto = proto_number(sp.id.protocol);
     for f in &sp.frontends {
         let key0 = slot0_key(f, sp.id.protocol);
@@ -344,6 +369,8 @@ fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent
                 slot: i as u16 + 1,
                 ..key0
             };
+            owned.keys.push(key);
+            owned.backends.insert(id);
             out.services.insert(
                 key,
                 ServiceValue {
@@ -352,6 +379,7 @@ fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent
                 },
             );
         }
+        owned.keys.push(key0);
         out.services.insert(
             key0,
             ServiceValue {
@@ -363,6 +391,7 @@ fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent
             },
         );
     }
+    owned
 }
 
 /// The writes for one frontend, applied as a unit: its slots first, slot 0 last.
@@ -606,6 +635,7 @@ pub(crate) mod tests {
         NodeInfo {
             name: "node-a".into(),
             addresses: vec!["192.168.1.10".parse().unwrap()],
+            zone: None,
         }
     }
 
@@ -732,7 +762,7 @@ pub(crate) mod tests {
     }
 
     /// Applies `plan` to a copy of `current` in the kernel's order (mirrors `KernelMaps::apply`).
-    fn apply(current: &MapContent, plan: &Plan) -> MapContent {
+    pub(crate) fn apply(current: &MapContent, plan: &Plan) -> MapContent {
         let mut c = current.clone();
         let step = |c: &mut MapContent, what: String, f: &mut dyn FnMut(&mut MapContent)| {
             f(c);

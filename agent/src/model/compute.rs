@@ -1,5 +1,5 @@
 //! Services + EndpointSlices + this node -> [`DesiredState`]: kube-proxy's decisions
-//! (KP-01, KP-05..08, KP-11, KP-13, KP-16..18), made once, here.
+//! (KP-01, KP-05..08, KP-11..13, KP-16..18), made once, here.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -52,6 +52,7 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
         if let Some(parsed) = parse_service(service, object, &mut out) {
             let mut emitter = Emitter {
                 index: &index,
+                node,
                 node_addrs: &node_addrs,
                 claims: &mut claims,
             };
@@ -433,6 +434,8 @@ struct Candidate<'a> {
 /// Turns parsed Services into ServicePortStates, resolving frontend conflicts.
 struct Emitter<'a> {
     index: &'a SliceIndex,
+    /// For topology hints: this node's name and zone.
+    node: &'a NodeInfo,
     node_addrs: &'a [IpAddr],
     claims: &'a mut Claims,
 }
@@ -483,8 +486,8 @@ impl Emitter<'_> {
             .index
             .endpoints(key, family, &port.name, port.protocol)
             .unwrap_or(&empty);
-        let cluster = backend_set(endpoints, false);
-        let internal = backend_set(endpoints, svc.internal_local);
+        let cluster = backend_set(endpoints, self.node, false);
+        let internal = backend_set(endpoints, self.node, svc.internal_local);
         let node_port_field = format!("spec.ports[{}].nodePort", port.index);
         let mut frontends = Vec::new();
         for candidate in candidates(
@@ -597,19 +600,22 @@ fn candidates<'a>(
     all
 }
 
-/// The cluster set (reject when empty), or with a Local policy the local set, which
-/// drops when empty only if endpoints exist elsewhere (KP-05, KP-11).
-fn backend_set(endpoints: &PortEndpoints, local_policy: bool) -> EndpointSet {
-    let cluster = cluster_set(endpoints);
+/// The cluster set, topology-filtered (reject when empty), or with a Local policy the
+/// local set, which ignores topology and drops when empty only if endpoints exist
+/// elsewhere (KP-05, KP-11, KP-12).
+fn backend_set(endpoints: &PortEndpoints, node: &NodeInfo, local_policy: bool) -> EndpointSet {
+    let cluster = cluster_set(endpoints, node);
     if !local_policy {
         return EndpointSet {
             endpoints: cluster.endpoints,
             empty_action: EmptyAction::Reject,
             terminating_fallback: cluster.terminating_fallback,
             local_policy: false,
+            topology: cluster.topology,
         };
     }
     let local = local_set(endpoints);
+    // kube-proxy's hasAnyEndpoints: the topology filter never empties the cluster set.
     let has_any = !cluster.endpoints.is_empty();
     EndpointSet {
         endpoints: local.endpoints,
@@ -620,6 +626,7 @@ fn backend_set(endpoints: &PortEndpoints, local_policy: bool) -> EndpointSet {
         },
         terminating_fallback: local.terminating_fallback,
         local_policy: true,
+        topology: false,
     }
 }
 
@@ -633,7 +640,7 @@ pub(super) mod testutil {
 
     use super::super::{NodeInfo, render};
 
-    /// `node-a` with one address per family, plus loopbacks that must be ignored.
+    /// `node-a` with one address per family, plus loopbacks that must be ignored; no zone.
     pub(in crate::model) fn node() -> NodeInfo {
         let addresses = ["192.168.1.10", "127.0.0.1", "fd00:1::10", "::1"];
         NodeInfo {
@@ -642,6 +649,15 @@ pub(super) mod testutil {
                 .iter()
                 .map(|a| a.parse::<IpAddr>().unwrap())
                 .collect(),
+            zone: None,
+        }
+    }
+
+    /// [`node`] labelled `topology.kubernetes.io/zone: zone-a`.
+    pub(in crate::model) fn zoned_node() -> NodeInfo {
+        NodeInfo {
+            zone: Some("zone-a".to_owned()),
+            ..node()
         }
     }
 
@@ -694,7 +710,7 @@ pub(super) mod testutil {
 
 #[cfg(test)]
 mod tests {
-    use super::testutil::{assert_model, node};
+    use super::testutil::{assert_model, dedent, node, zoned_node};
     use crate::model::NodeInfo;
 
     const WEB_SLICE: &str = r#"
@@ -1072,6 +1088,7 @@ mod tests {
             .iter()
             .map(|a| a.parse().unwrap())
             .collect(),
+            zone: None,
         };
         let yaml = with_web_slice(
             r#"
@@ -1350,5 +1367,175 @@ mod tests {
     fn empty_input() {
         let state = super::compute(&[], &[], &NodeInfo::default());
         assert_eq!(state, crate::model::DesiredState::default());
+    }
+
+    /// Service `web` with the extra `spec` lines, plus slice `web-a` with `hints` as the
+    /// EndpointSlice controller writes them: endpoints on node-a and node-b in zone-a,
+    /// node-c in zone-b.
+    fn topology_web(spec: &[&str], hints: [&str; 3]) -> String {
+        let mut service = dedent(
+            "
+            apiVersion: v1
+            kind: Service
+            metadata: {name: web, namespace: default}
+            spec:
+              clusterIP: 10.96.0.10
+              ports: [{name: http, port: 80}]
+            ",
+        );
+        for line in spec {
+            service.push_str(&format!("  {line}\n"));
+        }
+        let slice = format!(
+            "
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {{name: web-a, namespace: default, labels: {{kubernetes.io/service-name: web}}}}
+            addressType: IPv4
+            ports: [{{name: http, port: 8080}}]
+            endpoints:
+            - {{addresses: [10.0.0.1], nodeName: node-a, zone: zone-a, hints: {}}}
+            - {{addresses: [10.0.0.2], nodeName: node-b, zone: zone-a, hints: {}}}
+            - {{addresses: [10.0.0.3], nodeName: node-c, zone: zone-b, hints: {}}}
+            ",
+            hints[0], hints[1], hints[2]
+        );
+        format!("{service}---\n{}", dedent(&slice))
+    }
+
+    /// The zone hints the controller writes for PreferClose and PreferSameZone: each
+    /// endpoint's own zone.
+    const OWN_ZONE: [&str; 3] = [
+        "{forZones: [{name: zone-a}]}",
+        "{forZones: [{name: zone-a}]}",
+        "{forZones: [{name: zone-b}]}",
+    ];
+
+    /// `node-d`, in zone-a, without an endpoint of its own.
+    fn node_d() -> NodeInfo {
+        NodeInfo {
+            name: "node-d".to_owned(),
+            ..zoned_node()
+        }
+    }
+
+    /// trafficDistribution PreferClose: same-zone endpoints on a zoned node, all of them
+    /// on a node without zone.
+    #[test]
+    fn traffic_distribution_prefer_close() {
+        let yaml = topology_web(&["trafficDistribution: PreferClose"], OWN_ZONE);
+        assert_model(
+            &yaml,
+            &zoned_node(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080 [topology]
+            ",
+        );
+        assert_model(
+            &yaml,
+            &node(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080 10.0.0.3:8080
+            ",
+        );
+    }
+
+    /// trafficDistribution PreferSameZone: the same hints, the same result.
+    #[test]
+    fn traffic_distribution_prefer_same_zone() {
+        let yaml = topology_web(&["trafficDistribution: PreferSameZone"], OWN_ZONE);
+        assert_model(
+            &yaml,
+            &node_d(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080 [topology]
+            ",
+        );
+    }
+
+    /// trafficDistribution PreferSameNode: node hints plus zone hints. The node's own
+    /// endpoint when it has one, else same-zone endpoints.
+    #[test]
+    fn traffic_distribution_prefer_same_node() {
+        let yaml = topology_web(
+            &["trafficDistribution: PreferSameNode"],
+            [
+                "{forNodes: [{name: node-a}], forZones: [{name: zone-a}]}",
+                "{forNodes: [{name: node-b}], forZones: [{name: zone-a}]}",
+                "{forNodes: [{name: node-c}], forZones: [{name: zone-b}]}",
+            ],
+        );
+        assert_model(
+            &yaml,
+            &zoned_node(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) [topology]
+            ",
+        );
+        assert_model(
+            &yaml,
+            &node_d(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080 [topology]
+            ",
+        );
+    }
+
+    /// The topology-mode annotation (Auto): the controller may hint an endpoint for
+    /// another zone than its own; the hints, not the endpoints' zones, decide.
+    #[test]
+    fn topology_mode_annotation_hints_are_honoured() {
+        let yaml = topology_web(
+            &[],
+            [
+                "{forZones: [{name: zone-a}]}",
+                "{forZones: [{name: zone-b}]}",
+                "{forZones: [{name: zone-b}]}",
+            ],
+        )
+        .replace(
+            "metadata: {name: web, namespace: default}",
+            "metadata: {name: web, namespace: default, annotations: {service.kubernetes.io/topology-mode: Auto}}",
+        );
+        assert_model(
+            &yaml,
+            &zoned_node(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) [topology]
+            ",
+        );
+    }
+
+    /// iTP Local: the ClusterIP's local set ignores hints (node-a's endpoint is hinted for
+    /// zone-b), while external frontends reached from local sockets use the cluster set,
+    /// topology-filtered as kube-proxy's cluster chain would be.
+    #[test]
+    fn internal_traffic_policy_local_ignores_topology() {
+        let yaml = topology_web(
+            &[
+                "type: NodePort",
+                "externalIPs: [203.0.113.1]",
+                "internalTrafficPolicy: Local",
+                "trafficDistribution: PreferClose",
+            ],
+            [
+                "{forZones: [{name: zone-b}]}",
+                "{forZones: [{name: zone-a}]}",
+                "{forZones: [{name: zone-b}]}",
+            ],
+        )
+        .replace(
+            "{name: http, port: 80}",
+            "{name: http, port: 80, nodePort: 30080}",
+        );
+        assert_model(
+            &yaml,
+            &zoned_node(),
+            "
+            default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) [local-policy]
+            default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 local-origin -> 10.0.0.2:8080 [topology]
+            default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 local-origin -> 10.0.0.2:8080 [topology]
+            ",
+        );
     }
 }

@@ -1,14 +1,17 @@
 //! EndpointSlices -> merged endpoints per ServicePort, and kube-proxy's backend sets
-//! (KP-03, KP-04, KP-11).
+//! (KP-03, KP-04, KP-11, KP-12).
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use k8s_openapi::{
     api::discovery::v1::{Endpoint as SliceEndpoint, EndpointPort, EndpointSlice},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-use super::types::{DesiredState, Endpoint, IpFamily, Problem, Protocol, Skip};
+use super::types::{DesiredState, Endpoint, IpFamily, NodeInfo, Problem, Protocol, Skip};
 
 /// Objects with this label belong to another proxy (KP-01).
 pub(super) const LABEL_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -17,13 +20,17 @@ pub(super) const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Ties a slice to its Service, in the slice's namespace.
 const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
-/// One endpoint's conditions, after merging every slice of its Service.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One endpoint's conditions and topology hints, after merging every slice of its Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Candidate {
     pub(super) ready: bool,
     pub(super) serving: bool,
     pub(super) terminating: bool,
     pub(super) local: bool,
+    /// `hints.forZones[].name`; empty when the endpoint has no zone hint.
+    pub(super) zone_hints: BTreeSet<String>,
+    /// `hints.forNodes[].name`; empty when the endpoint has no node hint.
+    pub(super) node_hints: BTreeSet<String>,
 }
 
 /// Merged endpoints of one ServicePort, keyed (and so sorted) by (addr, port).
@@ -105,7 +112,7 @@ impl SliceIndex {
         for port in ports {
             let merged = by_port.entry(port.key).or_default();
             for (addr, candidate) in &endpoints {
-                merge(merged, (*addr, port.port), *candidate);
+                merge(merged, (*addr, port.port), candidate.clone());
             }
         }
     }
@@ -259,13 +266,27 @@ fn slice_endpoints(
 }
 
 /// kube-proxy's defaults: unset ready/serving mean true, unset terminating means false.
+/// Hints are taken as written (KP-03); the names are compared, never validated.
 fn candidate(endpoint: &SliceEndpoint, node: &str) -> Candidate {
     let conditions = endpoint.conditions.as_ref();
+    let hints = endpoint.hints.as_ref();
     Candidate {
         ready: conditions.and_then(|c| c.ready).unwrap_or(true),
         serving: conditions.and_then(|c| c.serving).unwrap_or(true),
         terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
         local: endpoint.node_name.as_deref() == Some(node),
+        zone_hints: hints
+            .and_then(|h| h.for_zones.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|z| z.name.clone())
+            .collect(),
+        node_hints: hints
+            .and_then(|h| h.for_nodes.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|n| n.name.clone())
+            .collect(),
     }
 }
 
@@ -279,25 +300,68 @@ fn merge(merged: &mut PortEndpoints, key: (IpAddr, u16), new: Candidate) {
     }
 }
 
-/// A chosen backend set: the endpoints, and whether they are the terminating fallback.
+/// A chosen backend set: the endpoints, whether they are the terminating fallback, and
+/// whether topology hints shaped them.
 pub(super) struct Chosen {
     pub(super) endpoints: Vec<Endpoint>,
     pub(super) terminating_fallback: bool,
+    pub(super) topology: bool,
 }
 
-/// Cluster set: ready endpoints, else serving+terminating ones (KP-04).
-pub(super) fn cluster_set(endpoints: &PortEndpoints) -> Chosen {
-    choose(endpoints, |_| true)
+/// The topology filter kube-proxy's `topologyModeFromHints` picks for the cluster set.
+#[derive(Clone, Copy, Debug)]
+enum Topology<'a> {
+    /// PreferSameNode: keep endpoints whose node hints name this node.
+    SameNode(&'a str),
+    /// PreferSameZone (and PreferClose): keep endpoints whose zone hints name this zone.
+    SameZone(&'a str),
 }
 
-/// Local set: local ready endpoints, else local serving+terminating ones (KP-11).
+impl Topology<'_> {
+    fn admits(self, c: &Candidate) -> bool {
+        match self {
+            Topology::SameNode(node) => c.node_hints.contains(node),
+            Topology::SameZone(zone) => c.zone_hints.contains(zone),
+        }
+    }
+}
+
+/// All or nothing, over the ready endpoints only (KP-12): node hints win when every ready
+/// endpoint has one and one names this node; else zone hints, when the node has a zone,
+/// every ready endpoint has one and one names that zone; else no filter. Either filter
+/// therefore keeps at least one ready endpoint. Which Service field asked for the hints
+/// (`trafficDistribution`, the topology-mode annotation) does not matter, as in kube-proxy.
+fn topology<'a>(endpoints: &PortEndpoints, node: &'a NodeInfo) -> Option<Topology<'a>> {
+    let ready: Vec<&Candidate> = endpoints.values().filter(|c| c.ready).collect();
+    let usable = |hints: fn(&Candidate) -> &BTreeSet<String>, name: &str| {
+        ready.iter().all(|c| !hints(c).is_empty()) && ready.iter().any(|c| hints(c).contains(name))
+    };
+    if usable(|c| &c.node_hints, &node.name) {
+        return Some(Topology::SameNode(&node.name));
+    }
+    let zone = node.zone.as_deref()?;
+    usable(|c| &c.zone_hints, zone).then_some(Topology::SameZone(zone))
+}
+
+/// Cluster set: ready endpoints passing the topology filter, else serving+terminating
+/// ones regardless of hints (KP-04, KP-12).
+pub(super) fn cluster_set(endpoints: &PortEndpoints, node: &NodeInfo) -> Chosen {
+    choose(endpoints, |_| true, topology(endpoints, node))
+}
+
+/// Local set: local ready endpoints, else local serving+terminating ones; topology
+/// hints are ignored (KP-11).
 pub(super) fn local_set(endpoints: &PortEndpoints) -> Chosen {
-    choose(endpoints, |c| c.local)
+    choose(endpoints, |c| c.local, None)
 }
 
-/// Ready ones first; only when none is ready, serving+terminating ones. Terminating and
-/// not serving is never used.
-fn choose(endpoints: &PortEndpoints, keep: impl Fn(&Candidate) -> bool) -> Chosen {
+/// Ready ones (that `topology` admits) first; only when none is, serving+terminating
+/// ones, whatever their hints. Terminating and not serving is never used.
+fn choose(
+    endpoints: &PortEndpoints,
+    keep: impl Fn(&Candidate) -> bool,
+    topology: Option<Topology<'_>>,
+) -> Chosen {
     let pick = |want: &dyn Fn(&Candidate) -> bool| -> Vec<Endpoint> {
         endpoints
             .iter()
@@ -310,11 +374,12 @@ fn choose(endpoints: &PortEndpoints, keep: impl Fn(&Candidate) -> bool) -> Chose
             })
             .collect()
     };
-    let ready = pick(&|c| c.ready);
+    let ready = pick(&|c| c.ready && topology.is_none_or(|t| t.admits(c)));
     if !ready.is_empty() {
         return Chosen {
             endpoints: ready,
             terminating_fallback: false,
+            topology: topology.is_some(),
         };
     }
     let fallback = pick(&|c| c.serving && c.terminating);
@@ -322,12 +387,32 @@ fn choose(endpoints: &PortEndpoints, keep: impl Fn(&Candidate) -> bool) -> Chose
     Chosen {
         endpoints: fallback,
         terminating_fallback,
+        topology: false,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::compute::testutil::{assert_model, node};
+    use super::super::compute::testutil::{assert_model, dedent, node, zoned_node};
+
+    /// Service `web` (ClusterIP 10.96.0.10:80) and slice `web-a` holding `endpoints`, a
+    /// YAML list.
+    fn web(endpoints: &str) -> String {
+        let head = r#"
+            apiVersion: v1
+            kind: Service
+            metadata: {name: web, namespace: default}
+            spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+            ---
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {name: web-a, namespace: default, labels: {kubernetes.io/service-name: web}}
+            addressType: IPv4
+            ports: [{name: "", port: 8080}]
+            endpoints:
+        "#;
+        format!("{}{}", dedent(head), dedent(endpoints))
+    }
 
     /// Conditions default as kube-proxy's: unset ready/serving are true.
     #[test]
@@ -630,6 +715,223 @@ mod tests {
             skip: EndpointSlice default/web-b service-proxy-name label service.kubernetes.io/service-proxy-name="other"
             skip: EndpointSlice default/web-c fqdn-slice addressType FQDN
             "#,
+        );
+    }
+
+    /// Every ready endpoint has zone hints and one names this node's zone: only the
+    /// endpoints hinted for that zone are kept (an endpoint may be hinted for several).
+    #[test]
+    fn zone_hints_keep_same_zone_endpoints() {
+        assert_model(
+            &web(
+                "
+                - addresses: [10.0.0.1]
+                  nodeName: node-b
+                  hints: {forZones: [{name: zone-a}]}
+                - addresses: [10.0.0.2]
+                  nodeName: node-c
+                  hints: {forZones: [{name: zone-b}]}
+                - addresses: [10.0.0.3]
+                  nodeName: node-d
+                  hints: {forZones: [{name: zone-b}, {name: zone-a}]}
+                ",
+            ),
+            &zoned_node(),
+            "
+            default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.3:8080 [topology]
+            ",
+        );
+    }
+
+    /// One ready endpoint without a zone hint (`hints: {}` or none at all) disables
+    /// filtering: all or nothing.
+    #[test]
+    fn one_missing_zone_hint_disables_filtering() {
+        for missing in ["hints: {}", "hints: {forZones: []}", "zone: zone-b"] {
+            let endpoints = format!(
+                "
+                - addresses: [10.0.0.1]
+                  hints: {{forZones: [{{name: zone-a}}]}}
+                - addresses: [10.0.0.2]
+                  {missing}
+                "
+            );
+            assert_model(
+                &web(&endpoints),
+                &zoned_node(),
+                "
+                default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080
+                ",
+            );
+        }
+    }
+
+    /// Hints that all name other zones: no endpoint for this zone, so no filtering.
+    #[test]
+    fn hints_for_other_zones_only_do_not_filter() {
+        assert_model(
+            &web(
+                "
+                - addresses: [10.0.0.1]
+                  hints: {forZones: [{name: zone-b}]}
+                - addresses: [10.0.0.2]
+                  hints: {forZones: [{name: zone-c}]}
+                ",
+            ),
+            &zoned_node(),
+            "
+            default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080
+            ",
+        );
+    }
+
+    /// A node without a `topology.kubernetes.io/zone` label ignores zone hints.
+    #[test]
+    fn node_without_zone_ignores_zone_hints() {
+        assert_model(
+            &web(
+                "
+                - addresses: [10.0.0.1]
+                  hints: {forZones: [{name: zone-a}]}
+                - addresses: [10.0.0.2]
+                  hints: {forZones: [{name: zone-b}]}
+                ",
+            ),
+            &node(),
+            "
+            default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080
+            ",
+        );
+    }
+
+    /// Node hints, all present and one naming this node, beat zone hints; they apply
+    /// whether or not the node has a zone.
+    #[test]
+    fn node_hints_beat_zone_hints() {
+        let yaml = web("
+            - addresses: [10.0.0.1]
+              nodeName: node-a
+              hints: {forNodes: [{name: node-a}], forZones: [{name: zone-a}]}
+            - addresses: [10.0.0.2]
+              nodeName: node-b
+              hints: {forNodes: [{name: node-b}], forZones: [{name: zone-a}]}
+            - addresses: [10.0.0.3]
+              nodeName: node-c
+              hints: {forNodes: [{name: node-c}], forZones: [{name: zone-b}]}
+            ");
+        for node in [zoned_node(), node()] {
+            assert_model(
+                &yaml,
+                &node,
+                "
+                default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) [topology]
+                ",
+            );
+        }
+    }
+
+    /// Node hints that cannot apply (one missing, or none naming this node) fall back to
+    /// zone hints.
+    #[test]
+    fn unusable_node_hints_fall_back_to_zone_hints() {
+        for (first, second) in [("node-a", None), ("node-b", Some("node-c"))] {
+            let second = second.map_or(String::new(), |n| format!("forNodes: [{{name: {n}}}], "));
+            let endpoints = format!(
+                "
+                - addresses: [10.0.0.1]
+                  hints: {{forNodes: [{{name: {first}}}], forZones: [{{name: zone-b}}]}}
+                - addresses: [10.0.0.2]
+                  hints: {{{second}forZones: [{{name: zone-a}}]}}
+                "
+            );
+            assert_model(
+                &web(&endpoints),
+                &zoned_node(),
+                "
+                default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.2:8080 [topology]
+                ",
+            );
+        }
+    }
+
+    /// Only ready endpoints count: an unready one without hints does not disable the
+    /// filter, and unready or terminating ones hinted for this zone are not used.
+    #[test]
+    fn hints_are_judged_among_ready_endpoints() {
+        assert_model(
+            &web("
+                - addresses: [10.0.0.1]
+                  hints: {forZones: [{name: zone-a}]}
+                - addresses: [10.0.0.2]
+                  hints: {forZones: [{name: zone-b}]}
+                - addresses: [10.0.0.3]
+                  conditions: {ready: false}
+                - addresses: [10.0.0.4]
+                  conditions: {ready: false, serving: true, terminating: true}
+                  hints: {forZones: [{name: zone-a}]}
+                "),
+            &zoned_node(),
+            "
+            default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 [topology]
+            ",
+        );
+    }
+
+    /// No ready endpoint: the serving+terminating fallback ignores hints.
+    #[test]
+    fn terminating_fallback_ignores_hints() {
+        assert_model(
+            &web(
+                "
+                - addresses: [10.0.0.1]
+                  conditions: {ready: false, serving: true, terminating: true}
+                  hints: {forNodes: [{name: node-a}], forZones: [{name: zone-a}]}
+                - addresses: [10.0.0.2]
+                  conditions: {ready: false, serving: true, terminating: true}
+                  hints: {forNodes: [{name: node-b}], forZones: [{name: zone-b}]}
+                ",
+            ),
+            &zoned_node(),
+            "
+            default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(terminating) 10.0.0.2:8080(terminating) [terminating-fallback]
+            ",
+        );
+    }
+
+    /// The same IP:port in two slices: the hints of the copy that wins the merge count.
+    #[test]
+    fn merged_endpoint_keeps_winning_copy_hints() {
+        assert_model(
+            r#"
+            apiVersion: v1
+            kind: Service
+            metadata: {name: web, namespace: default}
+            spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+            ---
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {name: web-a, namespace: default, labels: {kubernetes.io/service-name: web}}
+            addressType: IPv4
+            ports: [{name: "", port: 8080}]
+            endpoints:
+            - addresses: [10.0.0.1]
+              conditions: {ready: false, serving: true, terminating: true}
+            - addresses: [10.0.0.2]
+              hints: {forZones: [{name: zone-b}]}
+            ---
+            apiVersion: discovery.k8s.io/v1
+            kind: EndpointSlice
+            metadata: {name: web-b, namespace: default, labels: {kubernetes.io/service-name: web}}
+            addressType: IPv4
+            ports: [{name: "", port: 8080}]
+            endpoints:
+            - addresses: [10.0.0.1]
+              hints: {forZones: [{name: zone-a}]}
+            "#,
+            &zoned_node(),
+            "
+            default/web:/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 [topology]
+            ",
         );
     }
 }

@@ -52,6 +52,9 @@ fn frontend_line(service_port: &ServicePortState, frontend: &FrontendState) -> S
     if set.local_policy {
         line.push_str(" [local-policy]");
     }
+    if set.topology {
+        line.push_str(" [topology]");
+    }
     if set.terminating_fallback {
         line.push_str(" [terminating-fallback]");
     }
@@ -121,6 +124,7 @@ mod tests {
             empty_action,
             terminating_fallback: false,
             local_policy: false,
+            topology: false,
         }
     }
 
@@ -141,6 +145,11 @@ mod tests {
             endpoint("10.0.0.1", 8080, false, false),
             endpoint("10.0.0.2", 8080, false, true),
         ];
+        let mut same_zone = set(
+            vec![endpoint("10.0.0.2", 8080, false, true)],
+            EmptyAction::Reject,
+        );
+        same_zone.topology = true;
         let mut fallback = set(
             vec![endpoint("10.0.0.3", 8080, true, false)],
             EmptyAction::Reject,
@@ -162,6 +171,7 @@ mod tests {
                             FrontendKind::ClusterIp,
                             set(ready, EmptyAction::Reject),
                         ),
+                        frontend("203.0.113.1", 80, FrontendKind::ExternalIp, same_zone),
                         FrontendState {
                             scope: Scope::ExternalOrigin,
                             ..frontend("192.168.1.10", 30080, FrontendKind::NodePort, fallback)
@@ -204,6 +214,7 @@ mod tests {
             default/v6:/TCP/IPv6 clusterIP [fd00::10]:80 local-origin -> drop [local-policy]
             default/v6:/TCP/IPv6 loadBalancer [2001:db8::1]:80 local-origin -> reject
             default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080(local) [affinity=10800s]
+            default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 local-origin -> 10.0.0.2:8080(local) [topology] [affinity=10800s]
             default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 external-origin -> 10.0.0.3:8080(terminating) [terminating-fallback] [affinity=10800s]
             problem: Service default/x: spec.ports[1].port: port 0 out of range 1-65535
             skip: Service default/y headless clusterIP None

@@ -9,6 +9,9 @@ pub struct NodeInfo {
     pub name: String,
     /// Addresses NodePorts are served on (never loopback), both families.
     pub addresses: Vec<IpAddr>,
+    /// The Node's `topology.kubernetes.io/zone` label; `None` when unlabelled, which
+    /// disables zone hints (KP-12).
+    pub zone: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -128,6 +131,10 @@ pub struct EndpointSet {
     pub terminating_fallback: bool,
     /// Shaped by a Local traffic policy (internal or external).
     pub local_policy: bool,
+    /// Topology hints were honoured: only the ready endpoints hinted for this node
+    /// (PreferSameNode) or this node's zone (PreferSameZone) are kept (KP-12). Never set
+    /// on the local set or the terminating fallback, which ignore topology.
+    pub topology: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -11,6 +11,10 @@
 //!   Service between datagrams of one socket.
 //! - `ferry-probe tcp-session ADDR`: one connection; each stdin line is sent and its
 //!   reply printed, so a test can prove an established connection keeps working.
+//! - `ferry-probe udp-connected-loop ADDR MILLIS`: a resolver-like client for MILLIS ms:
+//!   one connected UDP socket, a query every 50 ms, one line per query (with `seq`, `op`,
+//!   `local` and `t_ms` since start). On any error it closes the socket and connects a new
+//!   one to ADDR (a `"op":"connect"` line), as a resolver does, then goes on querying.
 
 use std::{
     io::{BufRead, BufReader, Write},
@@ -207,6 +211,113 @@ fn session(addr: SocketAddr) {
     }
 }
 
+/// One line of `udp-connected-loop`: an [`Outcome`] plus where it happened.
+#[derive(serde::Serialize)]
+struct LoopLine {
+    /// `connect` (a new socket was connected) or `query`.
+    op: &'static str,
+    seq: u64,
+    /// The socket's local address (distinguishes one socket from the next).
+    local: Option<String>,
+    /// Milliseconds since the probe started.
+    t_ms: u128,
+    #[serde(flatten)]
+    out: Outcome,
+}
+
+fn udp_connected_loop(addr: SocketAddr, millis: u64) {
+    const INTERVAL: Duration = Duration::from_millis(50);
+    const QUERY_TIMEOUT: Duration = Duration::from_millis(300);
+    let start = Instant::now();
+    let emit = |op: &'static str, seq: u64, local: Option<String>, out: Outcome| {
+        let line = LoopLine {
+            op,
+            seq,
+            local,
+            t_ms: start.elapsed().as_millis(),
+            out,
+        };
+        println!("{}", serde_json::to_string(&line).unwrap());
+        std::io::stdout().flush().ok();
+    };
+    let connect = || -> std::io::Result<UdpSocket> {
+        let s = bind_any(&addr)?;
+        s.set_read_timeout(Some(QUERY_TIMEOUT))?;
+        s.connect(addr)?;
+        Ok(s)
+    };
+    let mut sock: Option<(UdpSocket, Option<String>)> = None;
+    let mut seq = 0u64;
+    let mut next = Instant::now();
+    let mut buf = [0u8; 2048];
+    let mut retried = false;
+    while start.elapsed() < Duration::from_millis(millis) {
+        if sock.is_none() {
+            let t = Instant::now();
+            match connect() {
+                Ok(s) => {
+                    let local = s.local_addr().ok().map(|a| a.to_string());
+                    let out = Outcome {
+                        ok: true,
+                        peer: s.peer_addr().ok().map(|p| p.to_string()),
+                        ms: t.elapsed().as_millis(),
+                        ..Default::default()
+                    };
+                    emit("connect", seq, local.clone(), out);
+                    sock = Some((s, local));
+                }
+                Err(e) => emit("connect", seq, None, fail(e, t)),
+            }
+        }
+        if let Some((s, local)) = &sock {
+            seq += 1;
+            let t = Instant::now();
+            let q = format!("q{seq}");
+            let want = format!(" {q}");
+            let res = s.send(q.as_bytes()).and_then(|_| {
+                loop {
+                    let n = s.recv(&mut buf)?;
+                    let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    // A late answer to an earlier query: skip it.
+                    if reply.ends_with(&want) {
+                        break Ok(reply);
+                    }
+                }
+            });
+            let failed = res.is_err();
+            let out = match res {
+                Ok(reply) => Outcome {
+                    ok: true,
+                    reply: Some(reply),
+                    peer: s.peer_addr().ok().map(|p| p.to_string()),
+                    ms: t.elapsed().as_millis(),
+                    ..Default::default()
+                },
+                Err(e) => fail(e, t),
+            };
+            emit("query", seq, local.clone(), out);
+            if failed {
+                // What a resolver does: drop the socket, open a new one to the server
+                // and ask again at once (once: a server that keeps failing waits a tick).
+                sock = None;
+                if !retried {
+                    retried = true;
+                    continue;
+                }
+            } else {
+                retried = false;
+            }
+        }
+        next += INTERVAL;
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        } else {
+            next = now;
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map(String::as_str).unwrap_or("");
@@ -223,6 +334,10 @@ fn main() {
     }
     if mode == "udp-session" {
         return udp_session(addr);
+    }
+    if mode == "udp-connected-loop" {
+        let millis: u64 = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(10_000);
+        return udp_connected_loop(addr, millis);
     }
     for _ in 0..count {
         let out = match mode {

@@ -1,0 +1,396 @@
+//! What the kernel holds, indexed by ServicePort, so that a change to one Service is
+//! planned from that Service's entries alone: the cost of a sync follows the size of
+//! the change, not the size of the cluster.
+//!
+//! The full path ([`Programmed::full`]) serves the first sync and recovery: it plans
+//! every ServicePort against whatever the pinned maps hold (adopting ids, pruning the
+//! rest). [`Programmed::update`] then plans each later change incrementally.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ferry_common::lb::{Backend, MAX_BACKENDS_PER_SERVICE, MemberKey, ServiceKey, ServiceValue};
+
+use super::plan::{
+    Capacity, Ids, MapContent, Owned, Plan, PlanError, desired_content_owned, diff, footprint,
+    place,
+};
+use crate::model::{DesiredState, ServicePortId, ServicePortState};
+
+#[derive(Debug, Default)]
+pub struct Programmed {
+    /// The content the kernel holds once the last plan was applied.
+    pub content: MapContent,
+    ids: Ids,
+    owners: BTreeMap<ServicePortId, Owned>,
+    /// How many ServicePorts reference each backend id.
+    backend_refs: HashMap<u32, u32>,
+}
+
+/// The original values of everything one update touched, to diff against.
+#[derive(Default)]
+struct Touched {
+    services: BTreeMap<ServiceKey, Option<ServiceValue>>,
+    backends: BTreeMap<u32, Option<Backend>>,
+    members: BTreeMap<MemberKey, bool>,
+}
+
+impl Programmed {
+    /// Plans the whole desired state against `current` (what the kernel holds now).
+    pub fn full(
+        desired: &DesiredState,
+        current: &MapContent,
+        cap: Capacity,
+    ) -> (Programmed, Plan, Vec<PlanError>) {
+        let mut ids = Ids::adopt(current);
+        let (content, errors, owners) = desired_content_owned(desired, &mut ids, current, cap);
+        let plan = diff(current, &content);
+        let mut backend_refs: HashMap<u32, u32> = HashMap::new();
+        for o in owners.values() {
+            for b in &o.backends {
+                *backend_refs.entry(*b).or_default() += 1;
+            }
+        }
+        (Programmed { content, ids, owners, backend_refs }, plan, errors)
+    }
+
+    pub fn programmed_ports(&self) -> usize {
+        self.owners.len()
+    }
+
+    pub fn is_programmed(&self, id: &ServicePortId) -> bool {
+        self.owners.contains_key(id)
+    }
+
+    /// Plans a batch of changes: `None` removes a ServicePort. A ServicePort that no
+    /// longer fits keeps what it had (a full map never loses live state) and is reported.
+    pub fn update(
+        &mut self,
+        changes: &[(ServicePortId, Option<&ServicePortState>)],
+        cap: Capacity,
+    ) -> (Plan, Vec<PlanError>) {
+        let mut touched = Touched::default();
+        let mut errors = Vec::new();
+        // Removals first, so the space they free is there for the rest.
+        for (id, _) in changes.iter().filter(|(_, s)| s.is_none()) {
+            self.remove(id, &mut touched);
+        }
+        // Then ServicePorts already programmed, then new ones: a new Service that does
+        // not fit can never push out a live one.
+        let (live, new): (Vec<_>, Vec<_>) = changes
+            .iter()
+            .filter_map(|(id, s)| s.map(|s| (id, s)))
+            .partition(|(id, _)| self.owners.contains_key(*id));
+        for (id, state) in live.into_iter().chain(new) {
+            if let Err(e) = self.replace(id, state, cap, &mut touched) {
+                errors.push(e);
+            }
+        }
+        (self.plan_touched(&touched), errors)
+    }
+
+    fn remove(&mut self, id: &ServicePortId, t: &mut Touched) {
+        let Some(owned) = self.owners.remove(id) else { return };
+        self.ids.services.remove(id);
+        for k in &owned.keys {
+            t.services.entry(*k).or_insert_with(|| self.content.services.get(k).copied());
+            self.content.services.remove(k);
+        }
+        for b in &owned.backends {
+            let m = MemberKey { svc_id: owned.svc_id, backend_id: *b };
+            t.members.entry(m).or_insert(true);
+            self.content.members.remove(&m);
+            self.release_backend(*b, t);
+        }
+    }
+
+    fn release_backend(&mut self, b: u32, t: &mut Touched) {
+        let refs = self.backend_refs.entry(b).or_default();
+        *refs = refs.saturating_sub(1);
+        if *refs == 0 {
+            self.backend_refs.remove(&b);
+            t.backends.entry(b).or_insert_with(|| self.content.backends.get(&b).copied());
+            if let Some(backend) = self.content.backends.remove(&b) {
+                self.ids.backends.remove(&(backend.addr, backend.port, backend.proto));
+            }
+        }
+    }
+
+    fn replace(
+        &mut self,
+        id: &ServicePortId,
+        state: &ServicePortState,
+        cap: Capacity,
+        t: &mut Touched,
+    ) -> Result<(), PlanError> {
+        if let Some(f) =
+            state.frontends.iter().find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize)
+        {
+            return Err(PlanError::TooManyEndpoints {
+                service: id.clone(),
+                count: f.set.endpoints.len(),
+                max: MAX_BACKENDS_PER_SERVICE,
+            });
+        }
+        self.check_capacity(id, state, cap)?;
+        let svc_id = match self.owners.get(id) {
+            Some(o) => o.svc_id,
+            None => {
+                let fresh = self.ids.next_service.max(1);
+                self.ids.next_service = fresh + 1;
+                fresh
+            }
+        };
+        // Place first, while the old entries still hold their backend ids, so a backend
+        // that stays keeps its id and is not rewritten; then drop the old entries.
+        let mut scratch = MapContent::default();
+        let owned = place(state, svc_id, &mut self.ids, &mut scratch);
+        for b in scratch.backends.keys() {
+            *self.backend_refs.entry(*b).or_default() += 1;
+        }
+        self.remove(id, t);
+        for (k, v) in scratch.services {
+            t.services.entry(k).or_insert_with(|| self.content.services.get(&k).copied());
+            self.content.services.insert(k, v);
+        }
+        for (b, v) in scratch.backends {
+            t.backends.entry(b).or_insert_with(|| self.content.backends.get(&b).copied());
+            self.content.backends.insert(b, v);
+        }
+        for m in scratch.members {
+            t.members.entry(m).or_insert_with(|| self.content.members.contains(&m));
+            self.content.members.insert(m);
+        }
+        self.ids.services.insert(id.clone(), svc_id);
+        self.owners.insert(id.clone(), owned);
+        Ok(())
+    }
+
+    fn check_capacity(&self, id: &ServicePortId, state: &ServicePortState, cap: Capacity) -> Result<(), PlanError> {
+        let (entries, tuples) = footprint(state);
+        let old = self.owners.get(id);
+        let used = self.content.services.len() as u32 - old.map_or(0, |o| o.keys.len() as u32);
+        if used + entries > cap.services {
+            return Err(PlanError::MapFull {
+                service: id.clone(),
+                map: ferry_common::lb::SERVICES_MAP,
+                flag: "max-services",
+                needed: entries,
+                free: cap.services.saturating_sub(used),
+                capacity: cap.services,
+            });
+        }
+        // Backends after the change: the new tuples nobody has yet come in, and the ones
+        // only this ServicePort used and no longer needs go out.
+        let fresh = tuples.iter().filter(|t| !self.ids.backends.contains_key(t)).count() as u32;
+        let freed = old.map_or(0, |o| {
+            o.backends
+                .iter()
+                .filter(|b| self.backend_refs.get(b).copied().unwrap_or(0) <= 1)
+                .filter(|b| {
+                    self.content.backends.get(b).is_none_or(|v| !tuples.contains(&(v.addr, v.port, v.proto)))
+                })
+                .count() as u32
+        });
+        let used_b = (self.content.backends.len() as u32).saturating_sub(freed);
+        if used_b + fresh > cap.backends {
+            return Err(PlanError::MapFull {
+                service: id.clone(),
+                map: ferry_common::lb::BACKENDS_MAP,
+                flag: "max-backends",
+                needed: fresh,
+                free: cap.backends.saturating_sub(used_b),
+                capacity: cap.backends,
+            });
+        }
+        Ok(())
+    }
+
+    /// The writes for everything touched: old values against the new content.
+    fn plan_touched(&self, t: &Touched) -> Plan {
+        let mut old = MapContent::default();
+        let mut new = MapContent::default();
+        for (k, before) in &t.services {
+            if let Some(v) = before {
+                old.services.insert(*k, *v);
+            }
+            if let Some(v) = self.content.services.get(k) {
+                new.services.insert(*k, *v);
+            }
+        }
+        for (b, before) in &t.backends {
+            if let Some(v) = before {
+                old.backends.insert(*b, *v);
+            }
+            if let Some(v) = self.content.backends.get(b) {
+                new.backends.insert(*b, *v);
+            }
+        }
+        for (m, before) in &t.members {
+            if *before {
+                old.members.insert(*m);
+            }
+            if self.content.members.contains(m) {
+                new.members.insert(*m);
+            }
+        }
+        diff(&old, &new)
+    }
+
+    /// ServicePorts currently programmed, with what they own.
+    pub fn owners(&self) -> impl Iterator<Item = (&ServicePortId, &Owned)> {
+        self.owners.iter()
+    }
+
+    pub fn frontend_count(&self) -> usize {
+        self.content.services.keys().filter(|k| k.slot == 0).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use ferry_common::lb::ServiceKey;
+
+    use super::*;
+    use crate::dataplane::plan::{
+        fmt_endpoint,
+        tests::{apply, desired, docs, web},
+    };
+
+    /// What the datapath would do, independent of ids: per frontend, its flags and the
+    /// backends its slots reach.
+    fn semantic(c: &MapContent) -> BTreeMap<String, (u16, BTreeSet<String>)> {
+        c.services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(k, v)| {
+                let backends = (1..=v.count)
+                    .map(|slot| {
+                        let id = c.services[&ServiceKey { slot, ..*k }].backend_id;
+                        let b = c.backends[&id];
+                        fmt_endpoint(&b.addr, u16::from_be(b.port))
+                    })
+                    .collect();
+                (fmt_endpoint(&k.addr, u16::from_be(k.port)), (v.flags, backends))
+            })
+            .collect()
+    }
+
+    /// The changes between two desired states, as the agent computes them.
+    fn changes<'a>(
+        before: &DesiredState,
+        after: &'a DesiredState,
+    ) -> Vec<(ServicePortId, Option<&'a ServicePortState>)> {
+        let mut out: Vec<_> = before
+            .services
+            .keys()
+            .filter(|id| !after.services.contains_key(id))
+            .map(|id| (id.clone(), None))
+            .collect();
+        for (id, s) in &after.services {
+            if before.services.get(id) != Some(s) {
+                out.push((id.clone(), Some(s)));
+            }
+        }
+        out
+    }
+
+    /// Runs `steps` incrementally; after each, the simulated kernel equals the planned
+    /// content and means the same as a full plan from scratch.
+    fn run(steps: &[String]) -> Vec<Plan> {
+        let cap = Capacity::default();
+        let mut kernel = MapContent::default();
+        let mut prev = DesiredState::default();
+        let (mut p, _, _) = Programmed::full(&prev, &kernel, cap);
+        let mut plans = Vec::new();
+        for (i, yaml) in steps.iter().enumerate() {
+            let next = desired(yaml);
+            let (plan, errors) = p.update(&changes(&prev, &next), cap);
+            assert!(errors.is_empty(), "step {i}: {errors:?}");
+            kernel = apply(&kernel, &plan);
+            assert_eq!(kernel, p.content, "step {i}: the kernel must hold what was planned");
+            let (full, _, _) = Programmed::full(&next, &MapContent::default(), cap);
+            assert_eq!(semantic(&p.content), semantic(&full.content), "step {i}: incremental != full");
+            let used: BTreeSet<u32> = p.owners.values().flat_map(|o| o.backends.iter().copied()).collect();
+            let stored: BTreeSet<u32> = p.content.backends.keys().copied().collect();
+            assert_eq!(used, stored, "step {i}: backends stored must be exactly those referenced");
+            plans.push(plan);
+            prev = next;
+        }
+        plans
+    }
+
+    #[test]
+    fn incremental_matches_full_through_changes() {
+        run(&[
+            docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]), web("b", "10.96.0.2", &["10.0.0.2"])]),
+            // b grows, sharing 10.0.0.1 with a
+            docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]), web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.2", "10.0.0.3"])]),
+            // a loses everything (reject), c appears
+            docs(&[web("a", "10.96.0.1", &[]), web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.3"]), web("c", "10.96.0.3", &["10.0.0.9"])]),
+            // a removed, c moves to a's ClusterIP
+            docs(&[web("b", "10.96.0.2", &["10.0.0.3"]), web("c", "10.96.0.1", &["10.0.0.9"])]),
+            String::new(),
+        ]);
+    }
+
+    #[test]
+    fn a_change_touches_only_its_service() {
+        let plans = run(&[
+            docs(&[web("a", "10.96.0.1", &["10.0.0.1"]), web("b", "10.96.0.2", &["10.0.0.5"])]),
+            docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]), web("b", "10.96.0.2", &["10.0.0.5"])]),
+        ]);
+        let p = &plans[1];
+        let b_vip = crate::dataplane::plan::addr_of(&"10.96.0.2".parse().unwrap());
+        let touched: Vec<&ServiceKey> = p
+            .frontends
+            .iter()
+            .flat_map(|f| f.slot_upserts.iter().map(|(k, _)| k).chain([&f.slot0]).chain(&f.slot_deletes))
+            .chain(&p.frontend_deletes)
+            .collect();
+        assert!(touched.iter().all(|k| k.addr != b_vip), "b must not be rewritten: {touched:?}");
+        assert_eq!(p.backend_upserts.len(), 1, "only the new backend is written: {p:?}");
+        assert!(p.backend_deletes.is_empty() && p.member_deletes.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn unchanged_state_plans_nothing_and_full_adoption_writes_nothing() {
+        let state = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1"])]));
+        let (p, plan, _) = Programmed::full(&state, &MapContent::default(), Capacity::default());
+        let kernel = apply(&MapContent::default(), &plan);
+        // A restarted agent plans the same state against what is pinned: no writes.
+        let (_, again, _) = Programmed::full(&state, &kernel, Capacity::default());
+        assert!(again.is_empty(), "restart must write nothing: {again:?}");
+        let mut p = p;
+        let (none, errors) = p.update(&[], Capacity::default());
+        assert!(none.is_empty() && errors.is_empty());
+    }
+
+    #[test]
+    fn growth_past_capacity_keeps_the_old_state() {
+        let cap = Capacity { services: 4, backends: 10 };
+        let one = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
+        let (mut p, plan, errors) = Programmed::full(&one, &MapContent::default(), cap);
+        assert!(errors.is_empty());
+        let kernel = apply(&MapContent::default(), &plan);
+        let four = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"])]));
+        let (plan, errors) = p.update(&changes(&one, &four), cap);
+        assert!(matches!(errors.as_slice(), [PlanError::MapFull { flag: "max-services", .. }]), "{errors:?}");
+        assert!(plan.is_empty(), "nothing may be written: {plan:?}");
+        assert_eq!(apply(&kernel, &plan), p.content);
+        assert_eq!(semantic(&p.content), semantic(&Programmed::full(&one, &MapContent::default(), cap).0.content));
+    }
+
+    #[test]
+    fn replacing_all_backends_at_backend_capacity_fits() {
+        // {1,2} -> {3,4} with room for exactly 2 backends: the old ones are freed.
+        let cap = Capacity { services: 100, backends: 2 };
+        let before = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
+        let after = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.3", "10.0.0.4"])]));
+        let (mut p, _, _) = Programmed::full(&before, &MapContent::default(), cap);
+        let (_, errors) = p.update(&changes(&before, &after), cap);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(p.content.backends.len(), 2);
+    }
+}

@@ -1,0 +1,496 @@
+//! The agent's view of the world and its incremental desired state.
+//!
+//! [`Store`] applies [`SourceEvent`]s and says which Services they touched. [`Engine`]
+//! recomputes the model for exactly those Services (with their EndpointSlices) and
+//! yields the ServicePort changes the dataplane must plan. Bursts of events between two
+//! syncs collapse into one set of dirty Services.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+
+use crate::{
+    model::{self, FrontendKind, NodeInfo, Problem, Protocol, Scope, ServicePortId, ServicePortState, Skip},
+    source::{ObjectKey, SourceEvent},
+};
+
+const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Which Services need recomputing.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Dirty {
+    pub services: BTreeSet<ObjectKey>,
+    /// Something every Service depends on changed (the node's zone, its addresses).
+    pub all: bool,
+}
+
+impl Dirty {
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.services.is_empty()
+    }
+}
+
+fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<ObjectKey> {
+    ObjectKey::from_meta(meta)
+}
+
+/// The Service an EndpointSlice belongs to (same namespace, `kubernetes.io/service-name`).
+fn owner_of(slice: &EndpointSlice) -> Option<ObjectKey> {
+    let name = slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
+    let ns = slice.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    Some(ObjectKey::new(ns, name.clone()))
+}
+
+#[derive(Debug, Default)]
+pub struct Store {
+    services: HashMap<ObjectKey, Service>,
+    slices: HashMap<ObjectKey, EndpointSlice>,
+    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    node: Option<Node>,
+}
+
+impl Store {
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn slice_count(&self) -> usize {
+        self.slices.len()
+    }
+
+    pub fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
+    }
+
+    /// Applies one event, adding what it touched to `dirty`.
+    pub fn apply(&mut self, event: SourceEvent, dirty: &mut Dirty) {
+        match event {
+            SourceEvent::ServicesReset(list) => self.reset_services(list, dirty),
+            SourceEvent::SlicesReset(list) => self.reset_slices(list, dirty),
+            SourceEvent::ServiceApplied(svc) => {
+                if let Some(k) = key_of(&svc.metadata) {
+                    self.put_service(k, svc, dirty);
+                }
+            }
+            SourceEvent::ServiceDeleted(k) => {
+                if self.services.remove(&k).is_some() {
+                    dirty.services.insert(k);
+                }
+            }
+            SourceEvent::SliceApplied(slice) => {
+                if let Some(k) = key_of(&slice.metadata) {
+                    self.put_slice(k, slice, dirty);
+                }
+            }
+            SourceEvent::SliceDeleted(k) => self.remove_slice(&k, dirty),
+            SourceEvent::Node(node) => {
+                let node = node.map(|n| *n);
+                if zone_of(node.as_ref()) != zone_of(self.node.as_ref()) {
+                    dirty.all = true;
+                }
+                self.node = node;
+            }
+            SourceEvent::Synced | SourceEvent::Connected(_) => {}
+        }
+    }
+
+    fn put_service(&mut self, k: ObjectKey, svc: Service, dirty: &mut Dirty) {
+        if self.services.get(&k) != Some(&svc) {
+            self.services.insert(k.clone(), svc);
+            dirty.services.insert(k);
+        }
+    }
+
+    fn reset_services(&mut self, list: Vec<Service>, dirty: &mut Dirty) {
+        let mut next: HashMap<ObjectKey, Service> = HashMap::with_capacity(list.len());
+        for svc in list {
+            if let Some(k) = key_of(&svc.metadata) {
+                next.insert(k, svc);
+            }
+        }
+        for (k, old) in &self.services {
+            if next.get(k) != Some(old) {
+                dirty.services.insert(k.clone());
+            }
+        }
+        for k in next.keys() {
+            if !self.services.contains_key(k) {
+                dirty.services.insert(k.clone());
+            }
+        }
+        self.services = next;
+    }
+
+    fn put_slice(&mut self, k: ObjectKey, slice: EndpointSlice, dirty: &mut Dirty) {
+        if self.slices.get(&k) == Some(&slice) {
+            return;
+        }
+        self.remove_slice(&k, dirty);
+        if let Some(owner) = owner_of(&slice) {
+            self.slices_by_service.entry(owner.clone()).or_default().insert(k.clone());
+            dirty.services.insert(owner);
+        }
+        self.slices.insert(k, slice);
+    }
+
+    fn remove_slice(&mut self, k: &ObjectKey, dirty: &mut Dirty) {
+        let Some(old) = self.slices.remove(k) else { return };
+        if let Some(owner) = owner_of(&old) {
+            if let Some(set) = self.slices_by_service.get_mut(&owner) {
+                set.remove(k);
+                if set.is_empty() {
+                    self.slices_by_service.remove(&owner);
+                }
+            }
+            dirty.services.insert(owner);
+        }
+    }
+
+    fn reset_slices(&mut self, list: Vec<EndpointSlice>, dirty: &mut Dirty) {
+        let mut next: HashMap<ObjectKey, EndpointSlice> = HashMap::with_capacity(list.len());
+        for slice in list {
+            if let Some(k) = key_of(&slice.metadata) {
+                next.insert(k, slice);
+            }
+        }
+        let gone: Vec<ObjectKey> = self.slices.keys().filter(|k| !next.contains_key(*k)).cloned().collect();
+        for k in gone {
+            self.remove_slice(&k, dirty);
+        }
+        for (k, slice) in next {
+            self.put_slice(k, slice, dirty);
+        }
+    }
+
+    fn slices_of(&self, svc: &ObjectKey) -> Vec<EndpointSlice> {
+        self.slices_by_service
+            .get(svc)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k).cloned())
+            .collect()
+    }
+
+    /// EndpointSlices that name no Service: reported, never programmed.
+    fn orphan_problems(&self) -> Vec<Problem> {
+        let mut out: Vec<Problem> = self
+            .slices
+            .iter()
+            .filter(|(_, s)| owner_of(s).is_none())
+            .map(|(k, _)| Problem {
+                object: format!("EndpointSlice {k}"),
+                field: "metadata.labels".into(),
+                message: format!("no {SERVICE_NAME_LABEL} label, so it belongs to no Service; it is ignored"),
+            })
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+fn zone_of(node: Option<&Node>) -> Option<String> {
+    node?.metadata.labels.as_ref()?.get(ZONE_LABEL).cloned()
+}
+
+/// kube-proxy's nodeEligible: false while the Node is being deleted or drained by the
+/// cluster autoscaler (`/healthz` then answers 503 so load balancers move away).
+pub fn node_eligible(node: Option<&Node>) -> bool {
+    let Some(node) = node else { return true };
+    if node.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    !tainted
+}
+
+type FrontendId = (std::net::IpAddr, u16, Protocol, Scope);
+
+/// The desired state, kept per Service and updated for dirty Services only.
+#[derive(Debug, Default)]
+pub struct Engine {
+    pub store: Store,
+    pub node: NodeInfo,
+    desired: BTreeMap<ServicePortId, ServicePortState>,
+    ports_of: HashMap<ObjectKey, BTreeSet<ServicePortId>>,
+    /// Which ServicePort owns each frontend: the first to claim it keeps it, so two
+    /// Services fighting over an address never flap.
+    owner: HashMap<FrontendId, ServicePortId>,
+    /// Services that lost a frontend to its owner: recomputed when the owner lets go.
+    losers: HashMap<FrontendId, BTreeSet<ObjectKey>>,
+    problems: BTreeMap<ObjectKey, (Vec<Problem>, Vec<Skip>)>,
+}
+
+impl Engine {
+    pub fn new(node: NodeInfo) -> Engine {
+        Engine { node, ..Default::default() }
+    }
+
+    pub fn desired(&self) -> &BTreeMap<ServicePortId, ServicePortState> {
+        &self.desired
+    }
+
+    /// Every problem and skip, for logging and metrics.
+    pub fn report(&self) -> (Vec<Problem>, Vec<Skip>) {
+        let mut problems = self.store.orphan_problems();
+        let mut skips = Vec::new();
+        for (p, s) in self.problems.values() {
+            problems.extend(p.iter().cloned());
+            skips.extend(s.iter().cloned());
+        }
+        (problems, skips)
+    }
+
+    /// Recomputes the dirty Services; returns the ServicePort changes (None = removed).
+    pub fn recompute(&mut self, dirty: &Dirty) -> Vec<(ServicePortId, Option<ServicePortState>)> {
+        self.node.zone = zone_of(self.store.node());
+        let keys: BTreeSet<ObjectKey> = if dirty.all {
+            self.store.services.keys().chain(self.ports_of.keys()).cloned().collect()
+        } else {
+            dirty.services.clone()
+        };
+        let mut changes = Vec::new();
+        let mut work: Vec<ObjectKey> = keys.into_iter().rev().collect();
+        let mut done = BTreeSet::new();
+        while let Some(k) = work.pop() {
+            if done.insert(k.clone()) {
+                let freed = self.recompute_one(&k, &mut changes);
+                work.extend(freed.into_iter().filter(|l| !done.contains(l)));
+            }
+        }
+        changes
+    }
+
+    /// Recomputes one Service; returns Services waiting for a frontend it released.
+    fn recompute_one(
+        &mut self,
+        k: &ObjectKey,
+        changes: &mut Vec<(ServicePortId, Option<ServicePortState>)>,
+    ) -> BTreeSet<ObjectKey> {
+        let mut state = match self.store.services.get(k) {
+            Some(svc) => model::compute(std::slice::from_ref(svc), &self.store.slices_of(k), &self.node),
+            None => model::DesiredState::default(),
+        };
+        let old_ports = self.ports_of.remove(k).unwrap_or_default();
+        let mut released = BTreeSet::new();
+        for id in &old_ports {
+            released.extend(self.release_frontends(id));
+        }
+        let mut new_ports = BTreeSet::new();
+        for (id, mut sp) in std::mem::take(&mut state.services) {
+            self.claim_frontends(k, &mut sp, &mut state.problems);
+            if sp.frontends.is_empty() {
+                continue;
+            }
+            new_ports.insert(id.clone());
+            if self.desired.get(&id) != Some(&sp) {
+                self.desired.insert(id.clone(), sp.clone());
+                changes.push((id, Some(sp)));
+            }
+        }
+        for id in old_ports.difference(&new_ports) {
+            self.desired.remove(id);
+            changes.push((id.clone(), None));
+        }
+        if !new_ports.is_empty() {
+            self.ports_of.insert(k.clone(), new_ports);
+        }
+        if state.problems.is_empty() && state.skips.is_empty() {
+            self.problems.remove(k);
+        } else {
+            self.problems.insert(k.clone(), (state.problems, state.skips));
+        }
+        // Frontends this Service still holds are not free after all.
+        released.retain(|fid| self.owner.get(fid).is_none());
+        released.iter().filter_map(|fid| self.losers.remove(fid)).flatten().filter(|l| l != k).collect()
+    }
+
+    /// Lets go of a ServicePort's frontends; returns them.
+    fn release_frontends(&mut self, id: &ServicePortId) -> Vec<FrontendId> {
+        let mut out = Vec::new();
+        if let Some(sp) = self.desired.get(id) {
+            for f in &sp.frontends {
+                let fid = (f.addr, f.port, id.protocol, f.scope);
+                if self.owner.get(&fid) == Some(id) {
+                    self.owner.remove(&fid);
+                    out.push(fid);
+                }
+            }
+        }
+        out
+    }
+
+    fn claim_frontends(&mut self, k: &ObjectKey, sp: &mut ServicePortState, problems: &mut Vec<Problem>) {
+        let id = sp.id.clone();
+        sp.frontends.retain(|f| {
+            let fid = (f.addr, f.port, id.protocol, f.scope);
+            match self.owner.get(&fid) {
+                Some(other) if *other != id => {
+                    self.losers.entry(fid).or_default().insert(k.clone());
+                    problems.push(Problem {
+                        object: format!("Service {k}"),
+                        field: frontend_field(f.kind),
+                        message: format!(
+                            "{}:{}/{} is already served by {other}; this Service does not get it",
+                            f.addr, f.port, id.protocol
+                        ),
+                    });
+                    false
+                }
+                _ => {
+                    self.owner.insert(fid, id.clone());
+                    true
+                }
+            }
+        });
+    }
+}
+
+fn frontend_field(kind: FrontendKind) -> String {
+    match kind {
+        FrontendKind::ClusterIp => "spec.clusterIPs",
+        FrontendKind::ExternalIp => "spec.externalIPs",
+        FrontendKind::LoadBalancer => "status.loadBalancer.ingress",
+        FrontendKind::NodePort => "spec.ports[].nodePort",
+    }
+    .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(name: &str, ip: &str, extra: &str) -> Service {
+        serde_yaml::from_str(&format!(
+            "metadata: {{name: {name}, namespace: default}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}]{extra}}}"
+        ))
+        .unwrap()
+    }
+
+    fn slice(name: &str, svc: &str, ips: &[&str]) -> EndpointSlice {
+        let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}]}}")).collect();
+        serde_yaml::from_str(&format!(
+            "metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {svc}}}}}\n\
+             addressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{}]",
+            eps.join(", ")
+        ))
+        .unwrap()
+    }
+
+    fn key(name: &str) -> ObjectKey {
+        ObjectKey::new("default", name)
+    }
+
+    fn engine() -> Engine {
+        Engine::new(NodeInfo { name: "node1".into(), addresses: vec![], zone: None })
+    }
+
+    fn feed(e: &mut Engine, events: Vec<SourceEvent>) -> Vec<(ServicePortId, Option<ServicePortState>)> {
+        let mut dirty = Dirty::default();
+        for ev in events {
+            e.store.apply(ev, &mut dirty);
+        }
+        e.recompute(&dirty)
+    }
+
+    fn names(changes: &[(ServicePortId, Option<ServicePortState>)]) -> Vec<String> {
+        changes.iter().map(|(id, s)| format!("{}{}", id.name, if s.is_some() { "" } else { "-" })).collect()
+    }
+
+    #[test]
+    fn events_dirty_only_their_service() {
+        let mut e = engine();
+        let first = feed(
+            &mut e,
+            vec![
+                SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ""), svc("b", "10.96.0.2", "")]),
+                SourceEvent::SlicesReset(vec![slice("a-1", "a", &["10.0.0.1"]), slice("b-1", "b", &["10.0.0.2"])]),
+            ],
+        );
+        assert_eq!(names(&first), ["a", "b"]);
+        let changed = feed(&mut e, vec![SourceEvent::SliceApplied(slice("a-1", "a", &["10.0.0.1", "10.0.0.3"]))]);
+        assert_eq!(names(&changed), ["a"], "a slice change recomputes its Service only");
+        let same = feed(&mut e, vec![SourceEvent::SliceApplied(slice("a-1", "a", &["10.0.0.1", "10.0.0.3"]))]);
+        assert!(same.is_empty(), "an identical object changes nothing: {same:?}");
+    }
+
+    #[test]
+    fn a_burst_is_one_change_per_service() {
+        let mut e = engine();
+        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", "")])]);
+        let burst = feed(
+            &mut e,
+            vec![
+                SourceEvent::SliceApplied(slice("a-1", "a", &["10.0.0.1"])),
+                SourceEvent::SliceApplied(slice("a-1", "a", &["10.0.0.1", "10.0.0.2"])),
+                SourceEvent::SliceApplied(slice("a-2", "a", &["10.0.0.3"])),
+            ],
+        );
+        assert_eq!(names(&burst), ["a"]);
+        let eps = &burst[0].1.as_ref().unwrap().frontends[0].set.endpoints;
+        assert_eq!(eps.len(), 3, "the burst's end state: {eps:?}");
+    }
+
+    #[test]
+    fn relist_removes_what_disappeared() {
+        let mut e = engine();
+        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ""), svc("b", "10.96.0.2", "")])]);
+        let relist = feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("b", "10.96.0.2", "")])]);
+        assert_eq!(names(&relist), ["a-"], "a was deleted during the outage");
+        let deleted = feed(&mut e, vec![SourceEvent::ServiceDeleted(key("b"))]);
+        assert_eq!(names(&deleted), ["b-"]);
+    }
+
+    #[test]
+    fn a_frontend_freed_by_its_owner_goes_to_the_waiting_service() {
+        let mut e = engine();
+        let ext = ", externalIPs: [203.0.113.7]";
+        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ext)])]);
+        feed(&mut e, vec![SourceEvent::ServiceApplied(svc("b", "10.96.0.2", ext))]);
+        let (problems, _) = e.report();
+        assert!(problems.iter().any(|p| p.object == "Service default/b" && p.message.contains("already served")), "{problems:?}");
+        let b_id = e.desired().keys().find(|id| id.name == "b").unwrap().clone();
+        assert_eq!(e.desired()[&b_id].frontends.len(), 1, "b keeps only its ClusterIP while a holds the externalIP");
+        let changes = feed(&mut e, vec![SourceEvent::ServiceDeleted(key("a"))]);
+        assert_eq!(names(&changes), ["a-", "b"], "b is recomputed when a lets go");
+        assert_eq!(e.desired()[&b_id].frontends.len(), 2);
+        assert!(e.report().0.is_empty(), "the conflict is resolved");
+    }
+
+    #[test]
+    fn zone_change_recomputes_everything_and_node_eligibility() {
+        let mut e = engine();
+        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ""), svc("b", "10.96.0.2", "")])]);
+        let node: Node = serde_yaml::from_str("metadata: {name: node1, labels: {topology.kubernetes.io/zone: z1}}").unwrap();
+        let mut dirty = Dirty::default();
+        e.store.apply(SourceEvent::Node(Some(Box::new(node.clone()))), &mut dirty);
+        assert!(dirty.all, "a new zone can change every Service's topology");
+        e.recompute(&dirty);
+        assert_eq!(e.node.zone.as_deref(), Some("z1"));
+        assert!(node_eligible(Some(&node)));
+        let draining: Node = serde_yaml::from_str(
+            "metadata: {name: node1}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}",
+        )
+        .unwrap();
+        assert!(!node_eligible(Some(&draining)));
+    }
+
+    #[test]
+    fn orphan_slices_are_reported() {
+        let mut e = engine();
+        let mut orphan = slice("x-1", "x", &["10.0.0.1"]);
+        orphan.metadata.labels = None;
+        feed(&mut e, vec![SourceEvent::SlicesReset(vec![orphan])]);
+        let (problems, _) = e.report();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].message.contains("belongs to no Service"));
+    }
+}
