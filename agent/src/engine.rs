@@ -309,7 +309,7 @@ impl Engine {
             self.problems.insert(k.clone(), (state.problems, state.skips));
         }
         // Frontends this Service still holds are not free after all.
-        released.retain(|fid| self.owner.get(fid).is_none());
+        released.retain(|fid| !self.owner.contains_key(fid));
         released.iter().filter_map(|fid| self.losers.remove(fid)).flatten().filter(|l| l != k).collect()
     }
 

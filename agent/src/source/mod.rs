@@ -14,6 +14,9 @@ use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::Endpoin
 pub use store::{ObjectKey, Objects};
 
 /// What a source tells the agent, in order, over an unbounded channel.
+// Each event is moved once through the channel; boxing the objects would only add an
+// allocation per event.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum SourceEvent {
     /// The complete set of Services (initial list, relist after 410 Gone or a dropped
