@@ -82,12 +82,58 @@ struct Syncer {
     plan_errors: BTreeMap<ServicePortId, PlanError>,
     logged: std::collections::BTreeSet<String>,
     needs_retry: bool,
+    /// UDP backends in the maps (id -> address), to know what a member delete removed.
+    udp_backends: std::collections::HashMap<u32, (IpAddr, u16)>,
+    bpffs: PathBuf,
 }
 
 impl Syncer {
+    /// Connected UDP sockets pinned to a backend their Service just lost are destroyed,
+    /// so the application reconnects through the Service (kube-proxy clears the matching
+    /// UDP conntrack entries for the same reason). TCP is left alone.
+    fn recover_udp(&mut self, plan: &Plan) {
+        let mut lost: std::collections::HashSet<(u32, IpAddr, u16)> = Default::default();
+        for m in &plan.member_deletes {
+            if let Some((ip, port)) = self.udp_backends.get(&m.backend_id) {
+                lost.insert((m.svc_id, *ip, *port));
+            }
+        }
+        for id in &plan.backend_deletes {
+            self.udp_backends.remove(id);
+        }
+        for (id, b) in plan.backend_upserts.iter().filter(|(_, b)| b.proto == ferry_common::lb::PROTO_UDP) {
+            self.udp_backends.insert(*id, (dataplane::plan::ip_of(&b.addr), u16::from_be(b.port)));
+        }
+        if lost.is_empty() {
+            return;
+        }
+        let backends: Vec<(IpAddr, u16)> = lost.iter().map(|(_, ip, port)| (*ip, *port)).collect();
+        let bpffs = self.bpffs.clone();
+        // Blocking (walks every network namespace): off the async workers.
+        tokio::task::spawn_blocking(move || {
+            let revnat = match dataplane::sockdiag::RevNatMap::open(&bpffs) {
+                Ok(r) => r,
+                Err(e) => return warn!("connected UDP recovery: {e}"),
+            };
+            let via_lost_service = |cookie: u64, ip: IpAddr, port: u16| {
+                matches!(revnat.lookup(cookie, ip, port), Ok(Some(v)) if lost.contains(&(v.svc_id, ip.to_canonical(), port)))
+            };
+            match dataplane::sockdiag::destroy_udp_sockets_to(&backends, &via_lost_service) {
+                Ok(r) if !r.destroyed.is_empty() => {
+                    info!(destroyed = r.destroyed.len(), namespaces = r.namespaces, "reset connected UDP sockets whose backend left their Service")
+                }
+                Ok(_) => {}
+                Err(e) => warn!("connected UDP recovery: {e}"),
+            }
+        });
+    }
+
     /// Brings the maps up to date with the store, recomputing only `dirty` Services.
     fn sync(&mut self, dirty: &Dirty) {
         let started = Instant::now();
+        let wall_started = SystemTime::now();
+        // Operability: which Services this sync covers, for network programming latency.
+        let full = dirty.all || self.programmed.is_none();
         let changes = self.engine.recompute(dirty);
         let (plan, errors) = match self.programmed.as_mut() {
             Some(p) => {
@@ -118,6 +164,29 @@ impl Syncer {
             self.plan_errors.insert(service.clone(), e.clone());
         }
         let report = self.maps.apply(&plan);
+        if full {
+            // After a full plan the index starts over from what is programmed.
+            self.udp_backends = self.programmed.iter().flat_map(|p| udp_backends_of(&p.content)).collect();
+        } else {
+            self.recover_udp(&plan);
+        }
+        {
+            // Operability: kube-proxy's network programming latency, observed once per
+            // EndpointSlice trigger time when the sync that carried it reached the maps.
+            let mut st = self.status.lock().expect("status lock");
+            st.map_write_failures_total += report.failures.len() as u64;
+            if report.failures.is_empty() {
+                let synced = if full { self.engine.store.service_keys() } else { dirty.services.clone() };
+                let triggers = self.engine.store.trigger_times(&synced);
+                let since = *st.started_at.get_or_insert(wall_started);
+                for latency in st.triggers.observe(&synced, triggers, since, SystemTime::now()) {
+                    st.network_programming.observe(latency);
+                }
+                if full {
+                    st.triggers.retain(|k| synced.contains(k));
+                }
+            }
+        }
         self.needs_retry = !report.failures.is_empty();
         if self.needs_retry {
             // The kernel no longer matches the plan: re-read it and plan in full next time.
@@ -174,6 +243,7 @@ impl Syncer {
         s.syncs_total += 1;
         s.last_sync_duration = elapsed;
         s.sync_duration_sum += elapsed;
+        s.sync_duration.observe(elapsed.as_secs_f64());
         s.services_programmed = p.programmed_ports();
         s.frontends_programmed = p.frontend_count();
         s.backends_programmed = p.content.backends.len();
@@ -198,10 +268,47 @@ impl Syncer {
         }
     }
 
-    fn refresh_counters(&self) {
+    fn refresh_counters(&mut self) {
         let counters = self.maps.counters();
-        self.status.lock().expect("status lock").datapath = counters;
+        let mut st = self.status.lock().expect("status lock");
+        st.datapath = counters;
+        if st.map_stats.is_none() {
+            // Handles of its own for /metrics, which reads map fill and per-service
+            // connection counts on scrape.
+            match self.maps.stats() {
+                Ok(m) => st.map_stats = Some(Arc::new(m)),
+                Err(e) => tracing::debug!(error = %e, "map handles for /metrics"),
+            }
+        }
+        // What follows the programmed state is rebuilt once per second at most, and only
+        // when a sync ran since: service id names, the no-local-endpoints gauge, and the
+        // removal of connection counts of ids no longer programmed.
+        let Some(p) = &self.programmed else { return };
+        if st.service_names_at == Some(st.syncs_total) {
+            return;
+        }
+        st.service_names_at = Some(st.syncs_total);
+        st.service_names = p.owners().map(|(id, o)| (o.svc_id, id.to_string())).collect();
+        st.no_local_endpoints_internal = p
+            .content
+            .services
+            .iter()
+            .filter(|(k, v)| k.slot == 0 && v.flags & ferry_common::lb::SVC_F_DROP != 0)
+            .map(|(_, v)| v.svc_id)
+            .collect::<std::collections::BTreeSet<u32>>()
+            .len();
+        let live: std::collections::BTreeSet<u32> = st.service_names.keys().copied().collect();
+        drop(st);
+        self.maps.prune_service_connections(&live);
     }
+}
+
+fn udp_backends_of(c: &dataplane::MapContent) -> Vec<(u32, (IpAddr, u16))> {
+    c.backends
+        .iter()
+        .filter(|(_, b)| b.proto == ferry_common::lb::PROTO_UDP)
+        .map(|(id, b)| (*id, (dataplane::plan::ip_of(&b.addr), u16::from_be(b.port))))
+        .collect()
 }
 
 fn node_addresses(cfg: &AgentConfig) -> Result<Vec<IpAddr>, AgentError> {
@@ -279,11 +386,22 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         }
     }
 
-    let loaded = dataplane::load_and_attach(&cfg.load)?;
+    let loaded = dataplane::load(&cfg.load)?;
     if loaded.adopted {
         info!("adopted pinned state from a previous agent; writing only the difference");
     }
-    let _ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
+    let mut ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
+    let pending = loaded.pending;
+    // Same layout (or none pinned): attach now, the maps are shared with whatever ran
+    // before. Another layout pinned: its programs keep serving until ours have maps
+    // filled with the full desired state, then each link swaps atomically.
+    let mut migration_pending = !pending.migrate_from.is_empty();
+    if migration_pending {
+        let from: Vec<u32> = pending.migrate_from.iter().map(|(v, _)| *v).collect();
+        info!(from = ?from, to = dataplane::loader::layout_version(), "another map layout is pinned: migrating after the first full sync");
+    } else {
+        dataplane::attach(&mut ebpf, &pending)?;
+    }
     if let Some(logger) = loaded.logger {
         tokio::spawn(forward_bpf_logs(logger));
     }
@@ -298,6 +416,8 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         plan_errors: BTreeMap::new(),
         logged: Default::default(),
         needs_retry: false,
+        udp_backends: Default::default(),
+        bpffs: cfg.load.bpffs.clone(),
     };
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
@@ -319,6 +439,10 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
                 if synced_source && (!dirty.is_empty() || syncer.programmed.is_none()) {
                     status.lock().expect("status lock").last_queued = Some(SystemTime::now());
                     syncer.sync(&std::mem::take(&mut dirty));
+                    if migration_pending && syncer.programmed.is_some() {
+                        dataplane::attach(&mut ebpf, &pending)?;
+                        migration_pending = false;
+                    }
                 }
             }
             _ = node_tick.tick(), if cfg.node_ips.is_none() => {

@@ -191,7 +191,39 @@ impl Store {
         out.sort();
         out
     }
+
+    /// The `endpoints.kubernetes.io/last-change-trigger-time` annotation of every
+    /// EndpointSlice of `services` that has one: (Service, slice, raw value). Feeds
+    /// kube-proxy's network programming latency (KP-03); the caller parses the RFC 3339
+    /// value and observes each change once.
+    pub fn trigger_times<'a>(
+        &self,
+        services: impl IntoIterator<Item = &'a ObjectKey>,
+    ) -> Vec<(ObjectKey, ObjectKey, String)> {
+        let mut out = Vec::new();
+        for svc in services {
+            for k in self.slices_by_service.get(svc).into_iter().flatten() {
+                let value = self
+                    .slices
+                    .get(k)
+                    .and_then(|s| s.metadata.annotations.as_ref())
+                    .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME));
+                if let Some(v) = value {
+                    out.push((svc.clone(), k.clone(), v.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Every Service the store holds and every Service that still has slices.
+    pub fn service_keys(&self) -> BTreeSet<ObjectKey> {
+        self.services.keys().chain(self.slices_by_service.keys()).cloned().collect()
+    }
 }
+
+/// EndpointSlice annotation: when the change the slice carries was triggered (RFC 3339).
+pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 fn zone_of(node: Option<&Node>) -> Option<String> {
     node?.metadata.labels.as_ref()?.get(ZONE_LABEL).cloned()
@@ -481,6 +513,24 @@ mod tests {
         )
         .unwrap();
         assert!(!node_eligible(Some(&draining)));
+    }
+
+    #[test]
+    fn trigger_times_of_the_given_services_slices() {
+        let mut e = engine();
+        let mut a1 = slice("a-1", "a", &["10.0.0.1"]);
+        a1.metadata.annotations =
+            Some([(LAST_CHANGE_TRIGGER_TIME.to_string(), "2024-05-01T12:00:00Z".to_string())].into());
+        let mut b1 = slice("b-1", "b", &["10.0.0.2"]);
+        b1.metadata.annotations = a1.metadata.annotations.clone();
+        let a2 = slice("a-2", "a", &["10.0.0.3"]); // no annotation
+        feed(&mut e, vec![SourceEvent::SlicesReset(vec![a1, a2, b1])]);
+        assert_eq!(
+            e.store.trigger_times(&[key("a")]),
+            vec![(key("a"), key("a-1"), "2024-05-01T12:00:00Z".to_string())]
+        );
+        assert_eq!(e.store.trigger_times(&[key("a"), key("b"), key("c")]).len(), 2);
+        assert_eq!(e.store.service_keys(), [key("a"), key("b")].into(), "Services known by their slices too");
     }
 
     #[test]

@@ -4,11 +4,12 @@
 //! - [`model`] decides, purely, what the dataplane must do (kube-proxy's contract);
 //! - [`dataplane`] is the only code that touches BPF maps and programs;
 //! - [`agent`] runs the sync loop; [`http`] serves health and metrics; [`list`] renders
-//!   the live maps for `ferry list`.
+//!   the live maps for `ferry list`; [`explain`] answers `ferry explain`.
 
 pub mod agent;
 pub mod dataplane;
 pub mod engine;
+pub mod explain;
 pub mod http;
 pub mod list;
 pub mod model;

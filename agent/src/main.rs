@@ -1,5 +1,6 @@
-//! `ferry`: agent, list, cleanup (DESIGN.md §4). Exit codes: 0 ok, 1 runtime failure,
-//! 2 usage or configuration error.
+//! `ferry`: agent, list, explain, cleanup (DESIGN.md §4). Exit codes: 0 ok, 1 runtime
+//! failure, 2 usage or configuration error; `explain` exits 3 when the address is not a
+//! Service frontend.
 
 use std::{net::IpAddr, path::PathBuf, process::ExitCode};
 
@@ -8,7 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ferry::{
     agent::{self, AgentConfig, SourceConfig},
     dataplane::{self, Capacity, KernelMaps, LoadOptions, loader::MAX_CAPACITY},
-    list, node,
+    explain, list, node,
     source::manifests,
 };
 use tracing_subscriber::EnvFilter;
@@ -31,6 +32,22 @@ enum Cmd {
         #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
         output: Output,
     },
+    /// Explain what a new connection to a Service address would do, and why, from the
+    /// pinned maps (no agent needed). Exit code 0: a Service frontend (whatever its
+    /// verdict); 3: not a Service frontend.
+    Explain {
+        /// The frontend as ADDR:PORT/PROTO (PROTO tcp or udp, default tcp; IPv6 as
+        /// [ADDR]:PORT/PROTO).
+        target: String,
+        /// The client's address. Affinity is keyed by network namespace, not IP: run
+        /// explain inside the client's namespace to see its own entry.
+        #[arg(long)]
+        from: Option<IpAddr>,
+        #[arg(long, default_value = "/sys/fs/bpf/ferry")]
+        bpffs: PathBuf,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+        output: ExplainOutput,
+    },
     /// Detach everything and remove the pins. Idempotent.
     Cleanup {
         #[arg(long, default_value = "/sys/fs/bpf/ferry")]
@@ -47,6 +64,12 @@ enum Cmd {
 #[derive(Clone, Copy, ValueEnum)]
 enum Output {
     Table,
+    Json,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExplainOutput {
+    Text,
     Json,
 }
 
@@ -119,6 +142,10 @@ fn main() -> ExitCode {
         Cmd::Agent(args) => run_agent(args),
         Cmd::List { bpffs, output } => run_list(&bpffs, output),
         Cmd::Cleanup { bpffs, .. } => run_cleanup(&bpffs),
+        Cmd::Explain { target, from, bpffs, output } => match run_explain(&target, from, &bpffs, output) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -229,10 +256,28 @@ fn run_agent(a: AgentArgs) -> Result<()> {
     })
 }
 
+/// The pinned maps of this build's layout, with an error that says what is pinned instead.
+fn open_maps(bpffs: &std::path::Path) -> Result<KernelMaps> {
+    let version = dataplane::loader::layout_version();
+    let dir = dataplane::loader::maps_dir(bpffs, version);
+    KernelMaps::open_pinned(&dir).map_err(|(map, e)| {
+        let others = dataplane::loader::other_layouts(bpffs, version);
+        if let Some((v, _)) = others.first() {
+            anyhow!(
+                "--bpffs {}: the pinned maps use layout v{v}, this ferry reads v{version}; run the matching ferry, or start this agent once to migrate",
+                bpffs.display()
+            )
+        } else {
+            anyhow!(
+                "--bpffs {}: cannot open pinned map {map} ({e}); is an agent running with this --bpffs?",
+                bpffs.display()
+            )
+        }
+    })
+}
+
 fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
-    let maps = KernelMaps::open_pinned(bpffs).map_err(|(map, e)| {
-        anyhow!("--bpffs {}: cannot open pinned map {map} ({e}); is an agent running with this --bpffs?", bpffs.display())
-    })?;
+    let maps = open_maps(bpffs)?;
     let content = maps.read().context("reading the pinned maps")?;
     let view = list::view(&content, &maps.counters());
     match output {
@@ -240,6 +285,32 @@ fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
         Output::Json => println!("{}", serde_json::to_string_pretty(&view)?),
     }
     Ok(())
+}
+
+/// `ferry explain`: reads the live maps, the logic is `explain::explain`.
+fn run_explain(target: &str, from: Option<IpAddr>, bpffs: &std::path::Path, output: ExplainOutput) -> Result<ExitCode> {
+    let query: explain::Query = target.parse().map_err(|e: String| usage(format!("explain {target}: {e}")))?;
+    let maps = open_maps(bpffs)?;
+    let content = maps.read().context("reading the pinned maps")?;
+    let affinity = maps.affinity_entries();
+    let connections = maps.service_connections();
+    let live = explain::Live {
+        content: &content,
+        affinity: &affinity,
+        connections: &connections,
+        now_ns: explain::sys::monotonic_ns(),
+    };
+    let client = explain::Client {
+        from,
+        from_is_here: from.is_some_and(explain::sys::is_local_address),
+        own_netns: explain::sys::own_netns_cookie(),
+    };
+    let e = explain::explain(&live, &query, &client);
+    match output {
+        ExplainOutput::Text => print!("{}", explain::text(&e)),
+        ExplainOutput::Json => println!("{}", serde_json::to_string_pretty(&e)?),
+    }
+    Ok(if e.found { ExitCode::SUCCESS } else { ExitCode::from(explain::EXIT_NOT_A_FRONTEND) })
 }
 
 fn run_cleanup(bpffs: &std::path::Path) -> Result<()> {

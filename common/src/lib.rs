@@ -10,9 +10,11 @@ pub mod lb;
 pub mod metrics;
 pub mod sock;
 
-/// Version of the pinned map layout. The agent stores it in [`META_MAP`] and refuses to
-/// reuse pins written with another version instead of misreading them.
-pub const LAYOUT_VERSION: u32 = 1;
+/// Version of the pinned map layout. Maps are pinned in `<bpffs>/v<N>/` with the version
+/// also stored in [`META_MAP`]; an agent that finds another version pinned migrates
+/// (fills its own maps, swaps the programs behind the pinned links, removes the old
+/// maps) instead of misreading them. Layout 1 pinned maps directly in `<bpffs>`.
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Array map (1 entry, [`Meta`]) that records which layout the pins were written with.
 pub const META_MAP: &str = "FERRY_META";

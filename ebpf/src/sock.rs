@@ -18,7 +18,7 @@ use ferry_common::{
 
 use crate::{
     lb::{Client, Verdict, select},
-    maps::{REVNAT, count},
+    maps::{REVNAT, count, count_service},
 };
 
 const SOCK_STREAM: u32 = 1;
@@ -141,6 +141,7 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
                 count(COUNT_REVNAT_FULL);
             }
             count(COUNT_XLATE);
+            count_service(svc_id);
             ALLOW
         }
     }

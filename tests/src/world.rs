@@ -54,6 +54,8 @@ pub fn all_pods(w: &World) -> BTreeSet<String> {
     w.pods.iter().map(|p| p.name.clone()).collect()
 }
 
+pub use ferry_common::LAYOUT_VERSION;
+
 pub const ECONNREFUSED: i32 = 111;
 pub const EHOSTUNREACH: i32 = 113;
 pub const ENETUNREACH: i32 = 101;
@@ -312,6 +314,11 @@ impl World {
 
     /// Starts the agent in the node namespace and waits until `/healthz` answers 200.
     pub fn start_agent(&mut self, extra: &[&str]) {
+        self.start_agent_env(extra, &[]);
+    }
+
+    /// [`World::start_agent`] with extra environment variables for the agent.
+    pub fn start_agent_env(&mut self, extra: &[&str], env: &[(&str, &str)]) {
         assert!(self.agent.is_none(), "agent already running");
         self.agent_runs += 1;
         let log = fs::OpenOptions::new()
@@ -336,6 +343,7 @@ impl World {
                 "127.0.0.1:10249",
             ])
             .args(extra)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(log.try_clone().unwrap())
             .stderr(log);
@@ -376,23 +384,13 @@ impl World {
 
     /// The same from another namespace (a pod), still inside the cgroup.
     pub fn probe_from(&self, netns: &str, mode: &str, addr: &str, count: usize) -> Vec<Outcome> {
-        let mut cmd = Command::new(bin("ferry-probe"));
-        cmd.args([mode, addr, &count.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let child = spawn_in(netns, Some(&self.cgroup), &mut cmd);
-        let out = child.wait_with_output().expect("probe");
-        assert!(
-            out.status.success(),
-            "ferry-probe {mode} {addr} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| {
-                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad probe line {l:?}: {e}"))
-            })
-            .collect()
+        Prober { netns: netns.to_string(), cgroup: self.cgroup.clone() }.probe(mode, addr, count)
+    }
+
+    /// A probe handle that does not borrow the world (for a thread that keeps traffic
+    /// running while the test restarts or upgrades the agent).
+    pub fn prober(&self) -> Prober {
+        Prober { netns: self.node_ns.clone(), cgroup: self.cgroup.clone() }
     }
 
     /// Runs a real client (curl, socat, ...) in the node namespace inside the cgroup.
@@ -412,6 +410,12 @@ impl World {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         spawn_in(&self.node_ns, Some(&self.cgroup), &mut cmd)
+    }
+
+    /// Where the agent pins its maps: `<bpffs>/v<layout>/` (links stay in `<bpffs>/links`).
+    pub fn maps_dir(&self) -> PathBuf {
+        let layout = std::env::var("FERRY_LAYOUT_VERSION").unwrap_or_else(|_| LAYOUT_VERSION.to_string());
+        self.bpffs.join(format!("v{layout}"))
     }
 
     /// `ferry list -o json` for this world's pins.
@@ -499,6 +503,27 @@ impl Drop for World {
             );
         }
         let _ = fs::remove_dir_all(&self.workdir);
+    }
+}
+
+/// Runs `ferry-probe` in one namespace, inside the world's cgroup.
+#[derive(Clone, Debug)]
+pub struct Prober {
+    netns: String,
+    cgroup: PathBuf,
+}
+
+impl Prober {
+    pub fn probe(&self, mode: &str, addr: &str, count: usize) -> Vec<Outcome> {
+        let mut cmd = Command::new(bin("ferry-probe"));
+        cmd.args([mode, addr, &count.to_string()]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let child = spawn_in(&self.netns, Some(&self.cgroup), &mut cmd);
+        let out = child.wait_with_output().expect("probe");
+        assert!(out.status.success(), "ferry-probe {mode} {addr} failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad probe line {l:?}: {e}")))
+            .collect()
     }
 }
 

@@ -506,6 +506,7 @@ async fn a_large_list_is_paged_and_reported_whole() {
     }
     counts.sort();
     assert_eq!(counts, [("services", 1_234), ("slices", 1_234)]);
-    // 3 pages for each of Services and slices, 1 for the Node, 3 watches.
-    assert!(api.request_count() - requests >= 10, "not paged");
+    // 3 pages for each of Services and slices, 1 for the Node.
+    let requests = api.request_count() - requests;
+    assert!(requests >= 7, "not paged: {requests} requests");
 }

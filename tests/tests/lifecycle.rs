@@ -229,9 +229,9 @@ fn restart_keeps_traffic_and_state(test: &str, signal: i32) {
         "FERRY_COUNTERS",
     ] {
         assert!(
-            w.bpffs.join(name).exists(),
+            w.maps_dir().join(name).exists(),
             "agent down: {} must stay pinned",
-            w.bpffs.join(name).display()
+            w.maps_dir().join(name).display()
         );
     }
     assert_eq!(

@@ -2,17 +2,18 @@
 //!
 //! A connected UDP socket is translated once, at `connect()`, so it stays connected to
 //! its backend after that backend leaves the Service (the pod keeps running and keeps
-//! answering). `ferry::dataplane::sockdiag` finds such sockets in every network namespace
-//! and destroys them when their cookie is in the reverse-NAT map; a resolver-like client
-//! then reconnects through the Service. These tests call it the way the agent will:
-//! right after the removal is visible in the maps (`ferry list`).
+//! answering). After a sync that removed UDP backends, the agent calls
+//! `ferry::dataplane::sockdiag`, which finds such sockets in every network namespace and
+//! destroys those whose cookie is in the reverse-NAT map; a resolver-like client
+//! (`ferry-probe udp-connected-loop`) then reconnects through the Service.
 //!
-//! Sockets connected straight to the pod, sockets pinned to a remaining backend and TCP
-//! connections are left alone.
+//! The first two tests go through the agent end to end and time the recovery from the
+//! EndpointSlice change; the third calls the API directly. Sockets connected straight
+//! to the pod, sockets pinned to a remaining backend and TCP connections are left alone.
 
 use std::{
     io::{BufRead, BufReader, Write},
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
@@ -332,42 +333,60 @@ fn assert_untouched(l: &UdpLoop, t: Instant, pod: &str, local: &str) {
     }
 }
 
-fn pod_name_of(w: &World, ip: IpAddr) -> String {
-    w.pods
+/// A Service on VIP:53 (UDP and TCP) in front of `pods`' port 5353; `skip` is left out.
+fn dns_manifest(w: &World, skip: &str) -> String {
+    let eps: Vec<Ep> = w
+        .pods
         .iter()
-        .find(|p| IpAddr::V4(p.v4) == ip || IpAddr::V6(p.v6) == ip)
-        .map(|p| p.name.clone())
-        .unwrap()
+        .filter(|p| p.name != skip)
+        .map(|p| ep(p.v4))
+        .collect();
+    docs(&[
+        service(
+            "dns",
+            &[VIP],
+            &[("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")],
+            "",
+        ),
+        slice(
+            "dns",
+            "dns-1",
+            "IPv4",
+            &[("dns", PORT, "UDP"), ("dns-tcp", PORT, "TCP")],
+            &eps,
+        ),
+    ])
 }
 
+/// A dual-stack Service on VIP / VIP6 port 53 (UDP) in front of `pods`' port 5353.
+fn dual_manifest(w: &World, skip: &str) -> String {
+    let pods: Vec<&Pod> = w.pods.iter().filter(|p| p.name != skip).collect();
+    let v4: Vec<Ep> = pods.iter().map(|p| ep(p.v4)).collect();
+    let v6: Vec<Ep> = pods.iter().map(|p| ep(p.v6)).collect();
+    docs(&[
+        service("dns", &[VIP, VIP6], &[("dns", 53, "UDP")], ""),
+        slice("dns", "dns-v4", "IPv4", &[("dns", PORT, "UDP")], &v4),
+        slice("dns", "dns-v6", "IPv6", &[("dns", PORT, "UDP")], &v6),
+    ])
+}
+
+/// Starts clients to `addr` until one is pinned to `pod`.
+fn loop_pinned_to(w: &World, addr: &str, pod: &str, what: &str) -> UdpLoop {
+    for i in 0..30 {
+        let mut l = UdpLoop::start(w, &w.node_ns, addr, &format!("{what} #{i}"));
+        if l.pinned_backend() == pod {
+            return l;
+        }
+    }
+    panic!("30 connected sockets to {addr} never reached {pod}")
+}
+
+/// The whole path: the EndpointSlice loses a backend, the agent syncs and destroys the
+/// sockets pinned to it, the client reconnects to the pod that remains.
 #[test]
 fn connected_udp_client_leaves_a_removed_backend_within_a_second() {
     let mut w = World::new("udp-recover", 2, &[PORT]);
-    let eps = |w: &World, skip: &str| -> Vec<Ep> {
-        w.pods
-            .iter()
-            .filter(|p| p.name != skip)
-            .map(|p| ep(p.v4))
-            .collect()
-    };
-    let manifest = |eps: &[Ep]| {
-        docs(&[
-            service(
-                "dns",
-                &[VIP],
-                &[("dns", 53, "UDP"), ("dns-tcp", 53, "TCP")],
-                "",
-            ),
-            slice(
-                "dns",
-                "dns-1",
-                "IPv4",
-                &[("dns", PORT, "UDP"), ("dns-tcp", PORT, "TCP")],
-                eps,
-            ),
-        ])
-    };
-    w.write_manifest("dns.yaml", &manifest(&eps(&w, "")));
+    w.write_manifest("dns.yaml", &dns_manifest(&w, ""));
     w.start_agent(&[]);
     let target = format!("{VIP}:53");
     let node = w.node_ns.clone();
@@ -378,19 +397,9 @@ fn connected_udp_client_leaves_a_removed_backend_within_a_second() {
     let stay = all_pods(&w).into_iter().find(|p| *p != gone).unwrap();
     let gone_ip = w.pod(&gone).v4;
     let client_local = client.local().expect("client socket");
-
     // A client pinned to the other pod: it must not notice anything.
-    let mut other = None;
-    for i in 0..30 {
-        let mut l = UdpLoop::start(&w, &node, &target, &format!("client via the Service #{i}"));
-        if l.pinned_backend() == stay {
-            other = Some(l);
-            break;
-        }
-    }
-    let mut other = other.unwrap_or_else(|| panic!("30 connected sockets never reached {stay}"));
+    let mut other = loop_pinned_to(&w, &target, &stay, "client via the Service");
     let other_local = other.local().unwrap();
-
     // A socket connected straight to the pod that is about to be removed.
     let mut direct = UdpLoop::start(
         &w,
@@ -400,7 +409,6 @@ fn connected_udp_client_leaves_a_removed_backend_within_a_second() {
     );
     assert_eq!(direct.pinned_backend(), gone);
     let direct_local = direct.local().unwrap();
-
     // An established TCP connection through the Service to `gone`.
     let mut tcp = None;
     for i in 0..30 {
@@ -413,37 +421,16 @@ fn connected_udp_client_leaves_a_removed_backend_within_a_second() {
         }
     }
     let mut tcp = tcp.unwrap_or_else(|| panic!("30 TCP connections never reached {gone}"));
+    // Everything so far is history.
+    client.pump(Duration::from_millis(100));
 
     // Remove `gone` from the EndpointSlice; its pod keeps running and answering.
-    w.write_manifest("dns.yaml", &manifest(&eps(&w, &gone)));
-    let removed = wait_removed(&w, &[&target], &[format!("{gone_ip}:{PORT}")]);
-    // Until something acts, the connected client is still answered by the removed pod.
-    let report =
-        sockdiag::destroy_udp_sockets_through_services(&w.bpffs, &[(gone_ip.into(), PORT)])
-            .expect("destroying UDP sockets");
+    let removed = Instant::now();
+    w.write_manifest("dns.yaml", &dns_manifest(&w, &gone));
+    let in_maps = wait_removed(&w, &[&target], &[format!("{gone_ip}:{PORT}")]);
     eprintln!(
-        "destroy took {:?} after the removal: {report:?}",
-        removed.elapsed()
-    );
-    assert!(
-        report.failures.is_empty(),
-        "destroy reported failures: {report:?}"
-    );
-    assert!(
-        destroyed_local(&report, &client_local),
-        "the client's socket {client_local} -> {gone_ip}:{PORT} must be destroyed: {report:?}"
-    );
-    assert!(
-        !destroyed_local(&report, &direct_local),
-        "the socket connected straight to the pod must be left alone: {report:?}"
-    );
-    assert!(
-        !destroyed_local(&report, &other_local),
-        "a socket on a remaining backend must be left alone: {report:?}"
-    );
-    assert!(
-        report.direct >= 1,
-        "the socket connected to the pod IP must be seen and skipped: {report:?}"
+        "removal visible in `ferry list` {:?} after the EndpointSlice changed",
+        in_maps - removed
     );
 
     let moved = assert_recovers(&mut client, removed, &gone);
@@ -458,7 +445,6 @@ fn connected_udp_client_leaves_a_removed_backend_within_a_second() {
     assert_untouched(&direct, removed, &gone, &direct_local);
     other.pump(Duration::from_millis(100));
     assert_untouched(&other, removed, &stay, &other_local);
-
     for i in 0..3 {
         let o = tcp.ask(&format!("after{i}"));
         assert!(
@@ -466,30 +452,14 @@ fn connected_udp_client_leaves_a_removed_backend_within_a_second() {
             "the established TCP connection to the removed backend {gone} must keep working: {o:?}"
         );
     }
-
-    // Running it again finds nothing left to do.
-    let again = sockdiag::destroy_udp_sockets_through_services(&w.bpffs, &[(gone_ip.into(), PORT)])
-        .expect("second destroy");
-    assert!(
-        again.destroyed.is_empty(),
-        "nothing is left to destroy: {again:?}"
-    );
 }
 
+/// The same for an IPv6 Service and for an IPv6 socket that dials the IPv4 ClusterIP
+/// v4-mapped (the kernel connects it to `::ffff:<pod>`).
 #[test]
 fn ipv6_and_v4_mapped_connected_clients_recover() {
     let mut w = World::new("udp-recover6", 2, &[PORT]);
-    let manifest = |w: &World, skip: &str| {
-        let pods: Vec<&Pod> = w.pods.iter().filter(|p| p.name != skip).collect();
-        let v4: Vec<Ep> = pods.iter().map(|p| ep(p.v4)).collect();
-        let v6: Vec<Ep> = pods.iter().map(|p| ep(p.v6)).collect();
-        docs(&[
-            service("dns", &[VIP, VIP6], &[("dns", 53, "UDP")], ""),
-            slice("dns", "dns-v4", "IPv4", &[("dns", PORT, "UDP")], &v4),
-            slice("dns", "dns-v6", "IPv6", &[("dns", PORT, "UDP")], &v6),
-        ])
-    };
-    w.write_manifest("dns.yaml", &manifest(&w, ""));
+    w.write_manifest("dns.yaml", &dual_manifest(&w, ""));
     w.start_agent(&[]);
     let node = w.node_ns.clone();
     let target6 = format!("[{VIP6}]:53");
@@ -497,44 +467,126 @@ fn ipv6_and_v4_mapped_connected_clients_recover() {
 
     let mut v6 = UdpLoop::start(&w, &node, &target6, "IPv6 client");
     let gone = v6.pinned_backend();
-    // An IPv6 socket that dials the IPv4 ClusterIP v4-mapped, pinned to the same pod.
-    let mut mapped = None;
-    for i in 0..30 {
-        let mut l = UdpLoop::start(&w, &node, &target_mapped, &format!("v4-mapped client #{i}"));
-        if l.pinned_backend() == gone {
-            mapped = Some(l);
-            break;
-        }
-    }
-    let mut mapped = mapped.unwrap_or_else(|| panic!("30 v4-mapped sockets never reached {gone}"));
-    let (v6_local, mapped_local) = (v6.local().unwrap(), mapped.local().unwrap());
+    let mut mapped = loop_pinned_to(&w, &target_mapped, &gone, "v4-mapped client");
     assert!(
-        mapped_local.starts_with("[::ffff:"),
-        "the mapped client must be an IPv6 socket: {mapped_local}"
+        mapped.local().unwrap().starts_with("[::ffff:"),
+        "the mapped client must be an IPv6 socket: {:?}",
+        mapped.local()
     );
     let pod = w.pod(&gone);
-    let (gone4, gone6) = (IpAddr::V4(pod.v4), IpAddr::V6(pod.v6));
-    assert_eq!(pod_name_of(&w, gone6), gone);
+    let (gone4, gone6) = (pod.v4, pod.v6);
+    v6.pump(Duration::from_millis(100));
+    mapped.pump(Duration::from_millis(100));
 
-    w.write_manifest("dns.yaml", &manifest(&w, &gone));
-    let removed = wait_removed(
+    let removed = Instant::now();
+    w.write_manifest("dns.yaml", &dual_manifest(&w, &gone));
+    wait_removed(
         &w,
         &[&format!("{VIP}:53"), &target6],
         &[format!("{gone4}:{PORT}"), format!("[{gone6}]:{PORT}")],
     );
-    // The v4 backend given v4-mapped: the same as IpAddr::V4 to the API.
-    let gone4_mapped = IpAddr::V6(pod.v4.to_ipv6_mapped());
-    let report = sockdiag::destroy_udp_sockets_through_services(
-        &w.bpffs,
-        &[(gone4_mapped, PORT), (gone6, PORT)],
-    )
-    .expect("destroying UDP sockets");
-    eprintln!("destroy: {report:?}");
-    assert!(report.failures.is_empty(), "failures: {report:?}");
-    assert!(
-        destroyed_local(&report, &v6_local) && destroyed_local(&report, &mapped_local),
-        "both the IPv6 socket {v6_local} and the v4-mapped socket {mapped_local} must be destroyed: {report:?}"
-    );
     assert_recovers(&mut v6, removed, &gone);
     assert_recovers(&mut mapped, removed, &gone);
+}
+
+/// The API on its own (what the agent calls): with one pod, nothing is removed and the
+/// agent leaves every socket alone; a direct call destroys exactly the sockets connected
+/// through the Service, in every family, and they reconnect.
+#[test]
+fn destroy_hits_only_sockets_connected_through_a_service() {
+    let mut w = World::new("udp-sockdiag", 1, &[PORT]);
+    w.write_manifest("dns.yaml", &dual_manifest(&w, ""));
+    w.start_agent(&[]);
+    let node = w.node_ns.clone();
+    let pod = w.pod("pod1");
+    let (ip4, ip6) = (pod.v4, pod.v6);
+
+    let mut via: Vec<UdpLoop> = [
+        (format!("{VIP}:53"), "IPv4 via the Service"),
+        (format!("[{VIP6}]:53"), "IPv6 via the Service"),
+        (format!("[::ffff:{VIP}]:53"), "v4-mapped via the Service"),
+    ]
+    .iter()
+    .map(|(a, what)| UdpLoop::start(&w, &node, a, what))
+    .collect();
+    let mut direct: Vec<UdpLoop> = [
+        (format!("{ip4}:{PORT}"), "IPv4 to the pod"),
+        (format!("[{ip6}]:{PORT}"), "IPv6 to the pod"),
+        (format!("[::ffff:{ip4}]:{PORT}"), "v4-mapped to the pod"),
+    ]
+    .iter()
+    .map(|(a, what)| UdpLoop::start(&w, &node, a, what))
+    .collect();
+    for l in via.iter_mut().chain(direct.iter_mut()) {
+        assert_eq!(l.pinned_backend(), "pod1", "{}", l.what);
+    }
+    let via_locals: Vec<String> = via.iter().map(|l| l.local().unwrap()).collect();
+    let direct_locals: Vec<String> = direct.iter().map(|l| l.local().unwrap()).collect();
+
+    let t = Instant::now();
+    let report = sockdiag::destroy_udp_sockets_through_services(
+        &w.bpffs,
+        &[(ip4.into(), PORT), (ip6.into(), PORT)],
+    )
+    .expect("destroying UDP sockets");
+    eprintln!("destroy took {:?}: {report:?}", t.elapsed());
+    assert!(report.failures.is_empty(), "failures: {report:?}");
+    for (l, local) in via.iter().zip(&via_locals) {
+        assert!(
+            destroyed_local(&report, local),
+            "{} ({local}) must be destroyed: {report:?}",
+            l.what
+        );
+    }
+    for (l, local) in direct.iter().zip(&direct_locals) {
+        assert!(
+            !destroyed_local(&report, local),
+            "{} ({local}) must be left alone: {report:?}",
+            l.what
+        );
+    }
+    assert_eq!(
+        report.destroyed.len(),
+        via.len(),
+        "only the sockets via the Service: {report:?}"
+    );
+    assert_eq!(
+        report.direct,
+        direct.len(),
+        "the sockets to the pod IP are seen and skipped: {report:?}"
+    );
+    let peers: Vec<SocketAddr> = report.destroyed.iter().map(|d| d.peer).collect();
+    assert!(
+        peers.contains(&SocketAddr::new(ip4.into(), PORT))
+            && peers.contains(&SocketAddr::new(ip6.into(), PORT)),
+        "peers are the backends: {peers:?}"
+    );
+
+    for (l, old) in via.iter_mut().zip(&via_locals) {
+        // The next query fails once, the client reconnects through the Service.
+        let (_, err) = l
+            .wait_for(Duration::from_secs(2), |x| !x.ok)
+            .unwrap_or_else(|| panic!("{}: no failed query after the destroy", l.what));
+        assert!(
+            matches!(
+                err.errno,
+                Some(libc::EDESTADDRREQ) | Some(libc::ECONNABORTED)
+            ),
+            "{}: a destroyed connected socket fails with EDESTADDRREQ or ECONNABORTED: {err:?}",
+            l.what
+        );
+        l.wait_for(Duration::from_secs(2), |x| x.is_query() && x.ok)
+            .unwrap_or_else(|| panic!("{}: no answer after reconnecting", l.what));
+        assert_ne!(
+            l.local().as_ref(),
+            Some(old),
+            "{}: must be on a new socket",
+            l.what
+        );
+    }
+    std::thread::sleep(Duration::from_millis(600));
+    for (l, local) in direct.iter_mut().zip(&direct_locals) {
+        l.pump(Duration::from_millis(20));
+        assert_untouched(l, t, "pod1", local);
+    }
 }

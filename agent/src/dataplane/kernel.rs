@@ -1,14 +1,24 @@
 //! Reading and writing the pinned maps.
 
-use std::path::Path;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    os::fd::AsFd,
+    path::Path,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 
 use aya::{
-    Ebpf,
-    maps::{HashMap, Map, MapData, MapError, PerCpuArray},
+    Ebpf, Pod,
+    maps::{HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap},
 };
 use ferry_common::{
-    lb::{BACKENDS_MAP, Backend, MEMBERS_MAP, MemberKey, SERVICES_MAP, ServiceKey, ServiceValue},
-    metrics::{COUNTERS_LEN, COUNTERS_MAP},
+    lb::{
+        AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, Backend, MEMBERS_MAP, MemberKey,
+        SERVICES_MAP, ServiceKey, ServiceValue,
+    },
+    metrics::{COUNTERS_LEN, COUNTERS_MAP, SVC_CONNS_MAP},
+    sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP},
 };
 use tracing::warn;
 
@@ -19,6 +29,17 @@ pub struct KernelMaps {
     backends: HashMap<MapData, u32, Backend>,
     members: HashMap<MapData, MemberKey, u8>,
     counters: PerCpuArray<MapData, u64>,
+    /// Maps the programs write and the agent only reads (metrics, `ferry explain`).
+    observed: Observed,
+}
+
+/// Each is optional: pins left by an older release may lack one, and everything read
+/// from them is best effort (an operator view, never an input to planning).
+#[derive(Default)]
+struct Observed {
+    affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
+    revnat: Option<HashMap<MapData, RevNatKey, RevNatValue>>,
+    svc_conns: Option<PerCpuHashMap<MapData, u32, u64>>,
 }
 
 /// What an apply did; failures name the frontend or backend at fault.
@@ -53,6 +74,11 @@ impl KernelMaps {
             backends: take(ebpf, BACKENDS_MAP)?,
             members: take(ebpf, MEMBERS_MAP)?,
             counters: take(ebpf, COUNTERS_MAP)?,
+            observed: Observed {
+                affinity: take(ebpf, AFFINITY_MAP).ok(),
+                revnat: take(ebpf, SOCK_REVNAT_MAP).ok(),
+                svc_conns: take(ebpf, SVC_CONNS_MAP).ok(),
+            },
         })
     }
 
@@ -63,6 +89,11 @@ impl KernelMaps {
             backends: open(dir, BACKENDS_MAP, Map::HashMap)?,
             members: open(dir, MEMBERS_MAP, Map::HashMap)?,
             counters: open(dir, COUNTERS_MAP, Map::PerCpuArray)?,
+            observed: Observed {
+                affinity: open(dir, AFFINITY_MAP, Map::LruHashMap).ok(),
+                revnat: open(dir, SOCK_REVNAT_MAP, Map::LruHashMap).ok(),
+                svc_conns: open(dir, SVC_CONNS_MAP, Map::PerCpuHashMap).ok(),
+            },
         })
     }
 
@@ -205,6 +236,192 @@ impl KernelMaps {
                 proto_name(k.proto),
                 k.slot
             )),
+        }
+    }
+}
+
+/// The maximum number of entries of a map (0 when the kernel does not say).
+fn max_entries(map: &MapData) -> u32 {
+    map.info().map(|i| i.max_entries()).unwrap_or(0)
+}
+
+/// Keys of a hash map, at most `cap` of them: an LRU map changing under the walk can make
+/// the kernel restart it, and the cap keeps that from running away.
+fn count_keys<K: Pod>(keys: impl Iterator<Item = Result<K, MapError>>, cap: u32) -> usize {
+    keys.take(cap as usize).filter(Result::is_ok).count()
+}
+
+/// A second handle on a map (its own fd), for a reader on another thread.
+fn dup(map: &MapData) -> std::io::Result<MapData> {
+    let fd = map.fd().as_fd().try_clone_to_owned()?;
+    MapData::from_fd(fd).map_err(std::io::Error::other)
+}
+
+/// Operator views of the maps the programs write (`/metrics`, `ferry explain`).
+impl KernelMaps {
+    /// Live affinity and UDP stickiness entries (empty when the map is not pinned).
+    pub fn affinity_entries(&self) -> Vec<(AffinityKey, AffinityValue)> {
+        let Some(m) = &self.observed.affinity else {
+            return Vec::new();
+        };
+        let cap = max_entries(m.map()) as usize;
+        m.iter().take(cap).filter_map(Result::ok).collect()
+    }
+
+    /// Translated connects and datagrams per service id, summed over CPUs.
+    pub fn service_connections(&self) -> BTreeMap<u32, u64> {
+        self.observed
+            .svc_conns
+            .as_ref()
+            .map(service_connections)
+            .unwrap_or_default()
+    }
+
+    /// Removes the connection counts of service ids no longer programmed, so an id reused
+    /// after a restart starts from zero. Returns how many were removed.
+    pub fn prune_service_connections(&mut self, live: &BTreeSet<u32>) -> usize {
+        let Some(m) = &mut self.observed.svc_conns else {
+            return 0;
+        };
+        let cap = max_entries(m.map()) as usize;
+        let stale: Vec<u32> = m
+            .keys()
+            .take(cap)
+            .filter_map(Result::ok)
+            .filter(|id| !live.contains(id))
+            .collect();
+        stale.iter().filter(|id| m.remove(id).is_ok()).count()
+    }
+
+    /// Independent handles for `/metrics`, which reads them on scrape, off the sync loop.
+    pub fn stats(&self) -> std::io::Result<MapStats> {
+        let mut fill: Vec<(&'static str, FillFn)> = Vec::new();
+        let members: HashMap<MapData, MemberKey, u8> =
+            HashMap::try_from(Map::HashMap(dup(self.members.map())?))
+                .map_err(std::io::Error::other)?;
+        fill.push((MEMBERS_MAP, hash_fill(members)));
+        if let Some(a) = &self.observed.affinity {
+            let a: HashMap<MapData, AffinityKey, AffinityValue> =
+                HashMap::try_from(Map::LruHashMap(dup(a.map())?)).map_err(std::io::Error::other)?;
+            fill.push((AFFINITY_MAP, hash_fill(a)));
+        }
+        if let Some(r) = &self.observed.revnat {
+            let r: HashMap<MapData, RevNatKey, RevNatValue> =
+                HashMap::try_from(Map::LruHashMap(dup(r.map())?)).map_err(std::io::Error::other)?;
+            fill.push((SOCK_REVNAT_MAP, hash_fill(r)));
+        }
+        let svc_conns = match &self.observed.svc_conns {
+            Some(c) => {
+                let c: PerCpuHashMap<MapData, u32, u64> =
+                    PerCpuHashMap::try_from(Map::PerCpuHashMap(dup(c.map())?))
+                        .map_err(std::io::Error::other)?;
+                let counted: PerCpuHashMap<MapData, u32, u64> =
+                    PerCpuHashMap::try_from(Map::PerCpuHashMap(dup(c.map())?))
+                        .map_err(std::io::Error::other)?;
+                fill.push((
+                    SVC_CONNS_MAP,
+                    Box::new(move || {
+                        let cap = max_entries(counted.map());
+                        (count_keys(counted.keys(), cap), cap)
+                    }),
+                ));
+                Some(c)
+            }
+            None => None,
+        };
+        Ok(MapStats {
+            fill,
+            svc_conns,
+            cache: Mutex::new(None),
+        })
+    }
+}
+
+fn service_connections(m: &PerCpuHashMap<MapData, u32, u64>) -> BTreeMap<u32, u64> {
+    let cap = max_entries(m.map()) as usize;
+    m.iter()
+        .take(cap)
+        .filter_map(Result::ok)
+        .map(|(id, per_cpu)| (id, per_cpu.iter().sum()))
+        .collect()
+}
+
+/// Counts one map's entries; returns (entries, kernel max_entries).
+type FillFn = Box<dyn Fn() -> (usize, u32) + Send + Sync>;
+
+fn hash_fill<K: Pod + Send + Sync + 'static, V: Pod + Send + Sync + 'static>(
+    map: HashMap<MapData, K, V>,
+) -> FillFn {
+    Box::new(move || {
+        let cap = max_entries(map.map());
+        (count_keys(map.keys(), cap), cap)
+    })
+}
+
+/// How often map entries are counted at most (walking an LRU map of 262144 entries is a
+/// syscall per key); scrapes in between see the last count.
+pub const FILL_PERIOD: Duration = Duration::from_secs(10);
+
+/// One map's fill.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapFill {
+    pub map: &'static str,
+    pub entries: usize,
+    pub capacity: u32,
+}
+
+/// What one scrape reads from the kernel.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MapSnapshot {
+    /// Maps the planner does not track (members, affinity, reverse NAT, connection counts).
+    pub fill: Vec<MapFill>,
+    /// Translated connects and datagrams per service id.
+    pub service_connections: BTreeMap<u32, u64>,
+}
+
+/// Handles on the maps for `/metrics`, with their own fds (see [`KernelMaps::stats`]).
+pub struct MapStats {
+    fill: Vec<(&'static str, FillFn)>,
+    svc_conns: Option<PerCpuHashMap<MapData, u32, u64>>,
+    cache: Mutex<Option<(Instant, Vec<MapFill>)>>,
+}
+
+impl std::fmt::Debug for MapStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.fill.iter().map(|(n, _)| *n).collect();
+        f.debug_struct("MapStats").field("maps", &names).finish()
+    }
+}
+
+impl MapStats {
+    /// Connection counts now; map fill counted at most every [`FILL_PERIOD`].
+    pub fn snapshot(&self) -> MapSnapshot {
+        let mut cache = self.cache.lock().expect("map stats lock");
+        let fresh = cache
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < FILL_PERIOD);
+        if !fresh {
+            let fill = self
+                .fill
+                .iter()
+                .map(|(map, f)| {
+                    let (entries, capacity) = f();
+                    MapFill {
+                        map,
+                        entries,
+                        capacity,
+                    }
+                })
+                .collect();
+            *cache = Some((Instant::now(), fill));
+        }
+        MapSnapshot {
+            fill: cache.as_ref().map(|(_, f)| f.clone()).unwrap_or_default(),
+            service_connections: self
+                .svc_conns
+                .as_ref()
+                .map(service_connections)
+                .unwrap_or_default(),
         }
     }
 }

@@ -12,14 +12,14 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, Map, MapData},
+    maps::{Array, HashMap, Map, MapData},
     programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
 };
 use ferry_common::{
     LAYOUT_VERSION, META_MAP, Meta,
-    lb::{AFFINITY_MAP, BACKENDS_MAP, MEMBERS_MAP, SERVICES_MAP},
+    lb::{AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, MEMBERS_MAP, SERVICES_MAP},
     metrics::COUNTERS_MAP,
-    sock::SOCK_REVNAT_MAP,
+    sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP},
 };
 use tracing::{info, warn};
 
@@ -40,7 +40,7 @@ pub const PROGRAMS: [&str; 8] = [
     "ferry_connect6",
 ];
 
-pub const ALL_MAPS: [&str; 7] = [
+pub const ALL_MAPS: [&str; 8] = [
     META_MAP,
     SERVICES_MAP,
     BACKENDS_MAP,
@@ -48,6 +48,7 @@ pub const ALL_MAPS: [&str; 7] = [
     AFFINITY_MAP,
     SOCK_REVNAT_MAP,
     COUNTERS_MAP,
+    ferry_common::metrics::SVC_CONNS_MAP,
 ];
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -128,6 +129,9 @@ pub struct Loaded {
     pub adopted: bool,
     /// The maps' real capacity (pinned maps keep their size across restarts).
     pub capacity: Capacity,
+    /// Attaching is a separate step ([`attach`]): when another layout is pinned, the new
+    /// maps must be filled before any program that reads them is swapped in.
+    pub pending: Pending,
     /// Forwards the programs' aya-log records (miss and error paths only) to `log`,
     /// which the agent's tracing subscriber picks up.
     pub logger: Option<BpfLogger>,
@@ -135,8 +139,53 @@ pub struct Loaded {
 
 pub type BpfLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
 
+/// What [`attach`] needs.
+pub struct Pending {
+    cgroup: fs::File,
+    cgroup_id: u64,
+    bpffs: PathBuf,
+    maps_dir: PathBuf,
+    /// Older layouts to migrate from (and remove) once the new maps are filled.
+    pub migrate_from: Vec<(u32, PathBuf)>,
+}
+
 fn links_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("links")
+}
+
+/// The map layout this agent writes. `FERRY_LAYOUT_VERSION` overrides it: a rehearsal
+/// knob that makes two builds of the same code behave like two layouts, so the
+/// migration path is exercised for real (tests, and operators before an upgrade).
+pub fn layout_version() -> u32 {
+    std::env::var("FERRY_LAYOUT_VERSION").ok().and_then(|v| v.parse().ok()).unwrap_or(LAYOUT_VERSION)
+}
+
+/// Where the maps of one layout version are pinned: `<bpffs>/v<N>/`. Links live in
+/// `<bpffs>/links/` and outlive every layout (their program is swapped in place).
+pub fn maps_dir(bpffs: &Path, version: u32) -> PathBuf {
+    bpffs.join(format!("v{version}"))
+}
+
+/// Pinned layouts other than `current`: `(version, directory of its map pins)`. The
+/// first release pinned maps directly in `<bpffs>` (layout 1).
+pub fn other_layouts(bpffs: &Path, current: u32) -> Vec<(u32, PathBuf)> {
+    let mut out = Vec::new();
+    if let Ok(entries) = fs::read_dir(bpffs) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(v) = name.to_str().and_then(|n| n.strip_prefix('v')).and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if v != current && e.path().join(META_MAP).exists() {
+                out.push((v, e.path()));
+            }
+        }
+    }
+    if let Ok(Some(v)) = pinned_layout(bpffs) {
+        out.push((v, bpffs.to_path_buf()));
+    }
+    out.sort();
+    out
 }
 
 fn is_bpffs(path: &Path) -> bool {
@@ -215,7 +264,9 @@ fn pinned_layout(bpffs: &Path) -> Result<Option<u32>, LoaderError> {
     Ok(Some(meta.get(&0, 0).map_err(map_err)?.layout_version))
 }
 
-pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
+/// Loads the programs and opens (or creates) this layout's pinned maps. Nothing is
+/// attached yet: see [`attach`].
+pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
     if OBJECT.is_empty() {
         return Err(LoaderError::NoObject);
     }
@@ -226,20 +277,29 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
     })?;
     let cgroup_id = cgroup.metadata().map(|m| m.ino()).unwrap_or(0);
 
-    let adopted = match pinned_layout(&opts.bpffs)? {
-        Some(found) if found != LAYOUT_VERSION => {
-            return Err(LoaderError::LayoutMismatch {
-                path: opts.bpffs.clone(),
-                found,
-                expected: LAYOUT_VERSION,
-            });
+    let version = layout_version();
+    let dir = maps_dir(&opts.bpffs, version);
+    fs::create_dir_all(&dir).map_err(|source| LoaderError::Io { what: "creating", path: dir.clone(), source })?;
+    let adopted = match pinned_layout(&dir)? {
+        Some(found) if found != version => {
+            return Err(LoaderError::LayoutMismatch { path: dir.clone(), found, expected: version });
         }
         Some(_) => true,
         None => false,
     };
-    let capacity = effective_capacity(opts);
+    let migrate_from = other_layouts(&opts.bpffs, version);
+    let capacity = effective_capacity(opts, &dir);
 
-    let pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, opts.bpffs.join(m))).collect();
+    // Socket state (reverse NAT, affinity) is taken over as the very same map objects
+    // when their entries did not change shape: old and new programs then read and write
+    // one map, and no connection made during the swap loses its entry.
+    let shared = shared_socket_maps(&dir, &migrate_from);
+    let mut pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, dir.join(m))).collect();
+    for (name, old) in &shared {
+        if let Some(p) = pins.iter_mut().find(|(n, _)| n == name) {
+            p.1 = old.clone();
+        }
+    }
     let mut loader = EbpfLoader::new();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
@@ -255,38 +315,30 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries);
     let mut ebpf = loader.load(OBJECT)?;
 
+    for (name, old) in &shared {
+        let pin = dir.join(name);
+        if let Some(map) = ebpf.map(name) {
+            map.pin(&pin).map_err(|source| LoaderError::Pin { path: pin.clone(), source })?;
+            info!(map = name, from = %old.display(), "taking over socket state map from the old layout");
+        }
+    }
+    let map_err = |source| LoaderError::Map { map: META_MAP, source };
     let mut meta: Array<_, Meta> = ebpf
         .take_map(META_MAP)
-        .ok_or(LoaderError::Map {
-            map: META_MAP,
-            source: aya::maps::MapError::InvalidName {
-                name: META_MAP.into(),
-            },
-        })
-        .and_then(|m| {
-            Array::try_from(m).map_err(|source| LoaderError::Map {
-                map: META_MAP,
-                source,
-            })
-        })?;
-    meta.set(
-        0,
-        Meta {
-            layout_version: LAYOUT_VERSION,
-            _pad: 0,
-        },
-        0,
-    )
-    .map_err(|source| LoaderError::Map {
-        map: META_MAP,
-        source,
-    })?;
+        .ok_or(map_err(aya::maps::MapError::InvalidName { name: META_MAP.into() }))
+        .and_then(|m| Array::try_from(m).map_err(map_err))?;
+    meta.set(0, Meta { layout_version: version, _pad: 0 }, 0).map_err(map_err)?;
 
     for name in PROGRAMS {
-        attach_or_swap(&mut ebpf, name, &cgroup, cgroup_id, &opts.bpffs)?;
+        let prog_err = |source| LoaderError::Program { program: name, source };
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or(prog_err(aya::programs::ProgramError::NotLoaded))?
+            .try_into()
+            .map_err(prog_err)?;
+        prog.load().map_err(prog_err)?;
     }
-    let maps = KernelMaps::from_ebpf(&mut ebpf)
-        .map_err(|(map, source)| LoaderError::Map { map, source })?;
+    let maps = KernelMaps::from_ebpf(&mut ebpf).map_err(|(map, source)| LoaderError::Map { map, source })?;
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(l) => Some(l),
         Err(e) => {
@@ -294,20 +346,112 @@ pub fn load_and_attach(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
             None
         }
     };
-    Ok(Loaded {
-        ebpf,
-        maps,
-        adopted,
-        capacity,
-        logger,
-    })
+    let pending = Pending { cgroup, cgroup_id, bpffs: opts.bpffs.clone(), maps_dir: dir, migrate_from };
+    Ok(Loaded { ebpf, maps, adopted, capacity, logger, pending })
 }
 
-/// The capacity the maps really have: pinned maps keep the size they were created with,
-/// so the planner must plan against that, not against the flags.
-fn effective_capacity(opts: &LoadOptions) -> Capacity {
+/// Attaches every program through its pinned link, swapping the program in place when
+/// a link is already pinned. When older layouts are pinned (call this only after the new
+/// maps hold the full desired state), their socket state is copied over first, the
+/// programs are swapped reply-side first, and the old maps are removed.
+pub fn attach(ebpf: &mut Ebpf, p: &Pending) -> Result<(), LoaderError> {
+    for (_, old) in &p.migrate_from {
+        copy_socket_state(old, &p.maps_dir);
+    }
+    for name in PROGRAMS {
+        attach_or_swap(ebpf, name, &p.cgroup, p.cgroup_id, &p.bpffs)?;
+    }
+    for (version, old) in &p.migrate_from {
+        // Connections made by the old programs while we swapped.
+        copy_socket_state(old, &p.maps_dir);
+        remove_layout(&p.bpffs, old)?;
+        info!(from = version, to = layout_version(), "migrated: programs swapped, old maps removed");
+    }
+    Ok(())
+}
+
+/// Socket-state maps of an older layout whose entry sizes match this build's: `(name,
+/// pin path)`, for the new layout to reuse as they are. Only when the new layout has not
+/// pinned its own yet.
+fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str, PathBuf)> {
+    let sizes = [
+        (SOCK_REVNAT_MAP, std::mem::size_of::<RevNatKey>(), std::mem::size_of::<RevNatValue>()),
+        (AFFINITY_MAP, std::mem::size_of::<AffinityKey>(), std::mem::size_of::<AffinityValue>()),
+    ];
+    let mut out = Vec::new();
+    for (name, k, v) in sizes {
+        if dir.join(name).exists() {
+            continue;
+        }
+        // The newest old layout first: it holds the most recent connections.
+        for (_, old) in olds.iter().rev() {
+            let path = old.join(name);
+            let fits = MapData::from_pin(&path)
+                .and_then(|d| d.info())
+                .is_ok_and(|i| i.key_size() as usize == k && i.value_size() as usize == v);
+            if fits {
+                out.push((name, path));
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Copies reverse-NAT and affinity entries between layouts whose entry sizes agree;
+/// best effort: a socket that loses its entry only sees the backend's address in
+/// `getpeername`/`recvmsg`, its traffic is unaffected.
+fn copy_socket_state(from: &Path, to: &Path) {
+    for name in [SOCK_REVNAT_MAP, AFFINITY_MAP] {
+        let (Ok(src), Ok(dst)) = (MapData::from_pin(from.join(name)), MapData::from_pin(to.join(name))) else {
+            continue;
+        };
+        let (Ok(si), Ok(di)) = (src.info(), dst.info()) else { continue };
+        if si.id() == di.id() {
+            continue; // the new layout took this very map over
+        }
+        if si.key_size() != di.key_size() || si.value_size() != di.value_size() {
+            warn!(map = name, "entry layout changed: socket state not carried over");
+            continue;
+        }
+        let copied = match name {
+            SOCK_REVNAT_MAP => copy_entries::<RevNatKey, RevNatValue>(src, dst),
+            _ => copy_entries::<AffinityKey, AffinityValue>(src, dst),
+        };
+        info!(map = name, copied, "carried socket state over to the new layout");
+    }
+}
+
+fn copy_entries<K: aya::Pod, V: aya::Pod>(src: MapData, dst: MapData) -> usize {
+    let (Ok(src), Ok(mut dst)) = (
+        HashMap::<_, K, V>::try_from(Map::LruHashMap(src)),
+        HashMap::<_, K, V>::try_from(Map::LruHashMap(dst)),
+    ) else {
+        return 0;
+    };
+    src.iter().flatten().filter(|(k, v)| dst.insert(k, v, 0).is_ok()).count()
+}
+
+/// Removes one layout's map pins (and its directory, unless it is the bpffs root of
+/// layout 1). Programs still holding the maps keep them alive until they are swapped.
+fn remove_layout(bpffs: &Path, dir: &Path) -> Result<Vec<PathBuf>, LoaderError> {
+    let mut removed = Vec::new();
+    for name in ALL_MAPS {
+        remove_if_present(&dir.join(name), &mut removed)?;
+    }
+    if dir != bpffs {
+        match fs::remove_dir(dir) {
+            Ok(()) => removed.push(dir.to_path_buf()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(LoaderError::Io { what: "removing directory (not empty?)", path: dir.into(), source }),
+        }
+    }
+    Ok(removed)
+}
+
+fn effective_capacity(opts: &LoadOptions, dir: &Path) -> Capacity {
     let pinned = |name: &str, want: u32| -> u32 {
-        let Ok(info) = MapData::from_pin(opts.bpffs.join(name)).and_then(|d| d.info()) else {
+        let Ok(info) = MapData::from_pin(dir.join(name)).and_then(|d| d.info()) else {
             return want;
         };
         let pinned = info.max_entries() / HEADROOM;
@@ -348,7 +492,6 @@ fn attach_or_swap(
         })?
         .try_into()
         .map_err(prog_err)?;
-    prog.load().map_err(prog_err)?;
     let pin = links_dir(bpffs).join(name);
     if pin.exists() {
         match bpf_sys::obj_get(&pin) {
@@ -408,9 +551,13 @@ pub fn cleanup(bpffs: &Path) -> Result<Vec<PathBuf>, LoaderError> {
     for name in PROGRAMS {
         remove_if_present(&links.join(name), &mut removed)?;
     }
-    for name in ALL_MAPS {
-        remove_if_present(&bpffs.join(name), &mut removed)?;
+    let mut layouts = other_layouts(bpffs, u32::MAX);
+    layouts.retain(|(_, d)| d != bpffs);
+    for (_, dir) in layouts {
+        removed.extend(remove_layout(bpffs, &dir)?);
     }
+    // Layout 1 pinned maps in the root; removing its names is harmless otherwise.
+    removed.extend(remove_layout(bpffs, bpffs)?);
     for dir in [links.as_path(), bpffs] {
         match fs::remove_dir(dir) {
             Ok(()) => removed.push(dir.to_path_buf()),

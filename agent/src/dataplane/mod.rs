@@ -14,6 +14,6 @@ pub mod programmed;
 pub mod sockdiag;
 
 pub use kernel::KernelMaps;
-pub use loader::{LoadOptions, cleanup, load_and_attach};
+pub use loader::{LoadOptions, attach, cleanup, load};
 pub use plan::{Capacity, Ids, MapContent, Plan, PlanError};
 pub use programmed::Programmed;

@@ -10,15 +10,20 @@
 //!
 //! # Call contract
 //!
-//! Call [`destroy_udp_sockets_through_services`] (or [`destroy_udp_sockets_to`] with your
-//! own reverse-NAT check) after a sync has written the maps, with every
-//! `(backend address, backend port)` that
-//! - was a backend of some UDP frontend before that sync, and
-//! - is no longer a backend of any UDP frontend after it.
+//! Call it after a sync has written the maps (so a reconnect can no longer pick the
+//! removed backend), with the `(backend address, backend port)` pairs that sync removed
+//! from UDP frontends:
+//! - [`destroy_udp_sockets_through_services`]`(bpffs, backends)` when each backend is no
+//!   longer behind any UDP frontend: every socket that reached it through any Service is
+//!   destroyed;
+//! - [`destroy_udp_sockets_to`]`(backends, check)` when a backend left one Service but
+//!   may still be behind another: `check(cookie, backend, port)` decides per socket,
+//!   typically with [`RevNatMap::lookup`] and the `svc_id` it returns (what the agent
+//!   does with the (service id, backend) pairs of its member deletes).
 //!
 //! IPv4 backends may be given as `IpAddr::V4` or IPv4-mapped `IpAddr::V6`; both match
 //! IPv4 sockets and IPv6 sockets connected to `::ffff:a.b.c.d`. An empty list is a no-op.
-//! The call is blocking (it walks every network namespace of the node; about 2 ms for 8):
+//! The call is blocking (it walks every network namespace of the node: a few ms for ten):
 //! from async code run it in `tokio::task::spawn_blocking`. It never changes the calling
 //! thread's namespace; each namespace is entered by a short-lived helper thread.
 //!
@@ -46,7 +51,8 @@
 //!
 //! So a client that closes the socket on error and opens a new one, as resolvers do
 //! when a server fails, recovers on its next query (`ferry-probe udp-connected-loop`
-//! does exactly that; the kernel test `udp_recovery` measures ~40 ms).
+//! does exactly that; in the kernel test `udp_recovery` it is answered by a remaining
+//! backend 100-200 ms after the EndpointSlice change, the agent's watch included).
 //!
 //! # Limitations
 //!
@@ -58,9 +64,6 @@
 //! - A socket is found only in a namespace that some process is in or that is pinned
 //!   under one of [`Options::netns_dirs`]; a socket kept open after its creator left a
 //!   namespace nobody else holds is not reached.
-//! - A backend removed from one UDP Service but still behind another is outside the
-//!   contract above: sockets that reached it through the first stay. To cover that,
-//!   call [`destroy_udp_sockets_to`] with a check on [`RevNatMap::lookup`]'s `svc_id`.
 //! - `SO_REUSEPORT` groups of connected sockets on one 4-tuple: the kernel's exact lookup
 //!   may find a sibling, whose cookie then does not match (reported as vanished).
 
@@ -113,6 +116,8 @@ pub enum SockDiagError {
     },
     #[error("sock_diag in the agent's own network namespace: {0}")]
     OwnNamespace(String),
+    #[error("no {map} pinned under {bpffs} (is the agent running with this --bpffs?)")]
+    NotPinned { map: &'static str, bpffs: PathBuf },
     #[error("map {map} pinned at {path}: {source}")]
     Map {
         map: &'static str,
@@ -170,24 +175,59 @@ pub struct DestroyReport {
     pub failures: Vec<String>,
 }
 
-/// Read-only handle on the pinned `FERRY_REVNAT` map.
+/// Read-only handles on every `FERRY_REVNAT` pinned under a bpffs directory: the one
+/// pinned directly in it (layout 1) and those in its layout subdirectories
+/// (`<bpffs>/v<N>/`, several while the agent migrates from one layout to the next). A
+/// socket translated by any of them counts.
 pub struct RevNatMap {
-    map: HashMap<MapData, RevNatKey, RevNatValue>,
+    maps: Vec<(PathBuf, HashMap<MapData, RevNatKey, RevNatValue>)>,
 }
 
 impl RevNatMap {
+    /// Opens every pinned reverse-NAT map under `bpffs` (the agent's `--bpffs`).
     pub fn open(bpffs: &Path) -> Result<RevNatMap, SockDiagError> {
-        let path = bpffs.join(SOCK_REVNAT_MAP);
+        let mut candidates = vec![bpffs.join(SOCK_REVNAT_MAP)];
+        if let Ok(rd) = fs::read_dir(bpffs) {
+            let mut dirs: Vec<PathBuf> = rd
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path().join(SOCK_REVNAT_MAP))
+                .collect();
+            dirs.sort();
+            candidates.extend(dirs);
+        }
+        let mut maps = Vec::new();
+        for path in candidates.into_iter().filter(|p| p.exists()) {
+            match Self::open_pin(&path) {
+                Ok(m) => maps.push((path, m)),
+                // Removed meanwhile (the end of a migration): the others are enough.
+                Err(_) if !path.exists() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if maps.is_empty() {
+            return Err(SockDiagError::NotPinned {
+                map: SOCK_REVNAT_MAP,
+                bpffs: bpffs.to_path_buf(),
+            });
+        }
+        Ok(RevNatMap { maps })
+    }
+
+    fn open_pin(path: &Path) -> Result<HashMap<MapData, RevNatKey, RevNatValue>, SockDiagError> {
         let err = |source| SockDiagError::Map {
             map: SOCK_REVNAT_MAP,
-            path: path.clone(),
+            path: path.to_path_buf(),
             source,
         };
-        let data = MapData::from_pin(&path).map_err(err)?;
+        let data = MapData::from_pin(path).map_err(err)?;
         let map = Map::from_map_data(data).map_err(err)?;
-        Ok(RevNatMap {
-            map: HashMap::try_from(map).map_err(err)?,
-        })
+        HashMap::try_from(map).map_err(err)
+    }
+
+    /// The pins that were opened.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.maps.iter().map(|(p, _)| p.as_path())
     }
 
     /// The Service a socket reached `backend` through, if its connect was translated.
@@ -203,11 +243,14 @@ impl RevNatMap {
             port: port.to_be(),
             _pad: [0; 6],
         };
-        match self.map.get(&key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e),
+        for (_, map) in &self.maps {
+            match map.get(&key, 0) {
+                Ok(v) => return Ok(Some(v)),
+                Err(MapError::KeyNotFound) => {}
+                Err(e) => return Err(e),
+            }
         }
+        Ok(None)
     }
 
     /// True when the socket reached `backend` through a Service. A failed lookup counts

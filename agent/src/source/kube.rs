@@ -157,7 +157,7 @@ fn incluster_config() -> Result<Config, KubeSourceError> {
         std::env::var(SERVICE_HOST_ENV).ok(),
         std::env::var(SERVICE_PORT_ENV).ok(),
     )?;
-    // kube-rs reads the token lazily-ish (at client build) with an error that names no
+    // kube-rs reads the token when the client is built, with an error that names no
     // file; check it here.
     std::fs::metadata(SA_TOKEN).map_err(|err| KubeSourceError::ServiceAccount {
         path: SA_TOKEN.into(),
