@@ -612,3 +612,102 @@ pub fn http_get(netns: &str, port: u16, path: &str) -> Result<(u16, String), Str
     .join()
     .map_err(|_| "http thread panicked".to_string())?
 }
+
+/// The Kubernetes API source in a world: a fake API server the agent can reach, and the
+/// agent started with `--kubeconfig` instead of `--manifests`.
+///
+/// The agent runs in the node network namespace, so a fake API server listening on the
+/// test process's 127.0.0.1 is out of its reach. [`World::start_fake_api`] therefore
+/// creates the server's listening socket *inside* the node namespace: a helper thread
+/// `setns()`s into it and calls [`crate::fakeapi::FakeApi::start_with`] there. A socket
+/// stays in the namespace it was created in (and so do the connections it accepts),
+/// while the returned handle, used from any thread, only touches the in-process store.
+/// The server's threads keep a reference on the namespace until the handle is dropped:
+/// drop it before the world (declare it after the world, or first in a struct), so that
+/// `ip netns del` really frees the namespace.
+impl World {
+    /// A fake API server on `0.0.0.0:<free port>` of the node namespace: the agent reaches
+    /// it on `127.0.0.1:<port>` (see [`World::write_kubeconfig`]), clients and Service
+    /// endpoints on [`NODE_V4`]`:<port>`.
+    pub fn start_fake_api(&self) -> crate::fakeapi::FakeApi {
+        self.start_fake_api_with(crate::fakeapi::Options {
+            listen: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+            ..Default::default()
+        })
+    }
+
+    /// [`World::start_fake_api`] with explicit options; `opts.listen` is an address of
+    /// the node namespace.
+    pub fn start_fake_api_with(&self, opts: crate::fakeapi::Options) -> crate::fakeapi::FakeApi {
+        let ns = format!("/run/netns/{}", self.node_ns);
+        std::thread::spawn(move || {
+            let f = fs::File::open(&ns).unwrap_or_else(|e| panic!("{ns}: {e}"));
+            // SAFETY: setns on this helper thread only; it exits once the server started
+            // (the server's own threads are spawned from here and stay in the namespace).
+            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) } != 0 {
+                panic!("setns {ns}: {}", std::io::Error::last_os_error());
+            }
+            crate::fakeapi::FakeApi::start_with(opts)
+                .unwrap_or_else(|e| panic!("starting the fake API server in {ns}: {e}"))
+        })
+        .join()
+        .expect("fake API server thread")
+    }
+
+    /// Writes `<workdir>/kubeconfig` pointing at `http://127.0.0.1:<port of api>`, the
+    /// address as seen from the node namespace, and returns its path.
+    pub fn write_kubeconfig(&self, api: &crate::fakeapi::FakeApi) -> PathBuf {
+        let path = self.workdir.join("kubeconfig");
+        let url = format!("http://127.0.0.1:{}", api.addr().port());
+        fs::write(&path, crate::fakeapi::kubeconfig_yaml(&url)).expect("write kubeconfig");
+        path
+    }
+
+    /// [`World::start_agent`] with `--kubeconfig PATH` instead of `--manifests`; waits
+    /// until `/healthz` answers 200 (the first full sync of the API's objects).
+    pub fn start_agent_kube(&mut self, kubeconfig: &Path, extra: &[&str]) {
+        assert!(self.agent.is_none(), "agent already running");
+        self.agent_runs += 1;
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.agent_log)
+            .expect("agent log");
+        let mut cmd = Command::new(bin("ferry"));
+        cmd.arg("agent")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--cgroup")
+            .arg(&self.cgroup)
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .args([
+                "--node-name",
+                "node1",
+                "--health-addr",
+                "127.0.0.1:10256",
+                "--metrics-addr",
+                "127.0.0.1:10249",
+            ])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        self.agent = Some(spawn_in(&self.node_ns, None, &mut cmd));
+        let ns = self.node_ns.clone();
+        eventually("agent (--kubeconfig) /healthz 200", Duration::from_secs(30), || {
+            if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "agent exited with {status} before it was ready:\n{}",
+                    self.agent_log()
+                );
+            }
+            let (code, body) = http_get(&ns, 10256, "/healthz")?;
+            if code == 200 {
+                Ok(())
+            } else {
+                Err(format!("{code} {body}"))
+            }
+        });
+    }
+}

@@ -312,7 +312,9 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         // A service's members are at most its backend slots.
         .map_max_entries(MEMBERS_MAP, opts.capacity.services * HEADROOM)
         .map_max_entries(AFFINITY_MAP, opts.affinity_entries)
-        .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries);
+        .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries)
+        // One counter per ServicePort with traffic: at most one per frontend entry.
+        .map_max_entries(ferry_common::metrics::SVC_CONNS_MAP, opts.capacity.services * HEADROOM);
     let mut ebpf = loader.load(OBJECT)?;
 
     for (name, old) in &shared {
