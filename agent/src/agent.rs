@@ -69,6 +69,11 @@ const NODE_ADDR_POLL: Duration = Duration::from_secs(2);
 const MANIFEST_POLL: Duration = Duration::from_millis(200);
 /// How soon a sync whose writes failed is retried (kube-proxy resyncs periodically too).
 const RETRY_PERIOD: Duration = Duration::from_secs(5);
+/// A sync waits until the source has been quiet this long, so that a burst of changes
+/// streamed by the API becomes one sync (kube-proxy bounds its sync rate likewise)...
+const COALESCE_QUIET: Duration = Duration::from_millis(2);
+/// ...but never longer than this after the first change.
+const COALESCE_MAX: Duration = Duration::from_millis(100);
 
 struct Syncer {
     maps: KernelMaps,
@@ -134,7 +139,8 @@ impl Syncer {
         let wall_started = SystemTime::now();
         // Operability: which Services this sync covers, for network programming latency.
         let full = dirty.all || self.programmed.is_none();
-        let changes = self.engine.recompute(dirty);
+        // A full plan recomputes everything itself.
+        let changes = if self.programmed.is_some() { self.engine.recompute(dirty) } else { Vec::new() };
         let (plan, errors) = match self.programmed.as_mut() {
             Some(p) => {
                 let mut ids: Vec<ServicePortId> = changes.iter().map(|(id, _)| id.clone()).collect();
@@ -200,9 +206,11 @@ impl Syncer {
     fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>), aya::maps::MapError> {
         let current = self.maps.read()?;
         self.engine.recompute(&Dirty { all: true, ..Default::default() });
-        let desired = DesiredState { services: self.engine.desired().clone(), ..Default::default() };
         self.plan_errors.clear();
+        // Lend the engine's desired state to the planner instead of copying it.
+        let desired = DesiredState { services: self.engine.take_desired(), ..Default::default() };
         let (programmed, plan, errors) = Programmed::full(&desired, &current, self.capacity);
+        self.engine.restore_desired(desired.services);
         self.programmed = Some(programmed);
         Ok((plan, errors))
     }
@@ -284,9 +292,14 @@ impl Syncer {
         // when a sync ran since: service id names, the no-local-endpoints gauge, and the
         // removal of connection counts of ids no longer programmed.
         let Some(p) = &self.programmed else { return };
-        if st.service_names_at == Some(st.syncs_total) {
+        // These walk every programmed Service: at most every 10 s, so a busy cluster
+        // does not stall the sync loop once a second.
+        if st.service_names_at == Some(st.syncs_total)
+            || st.service_names_refreshed.is_some_and(|t| t.elapsed() < Duration::from_secs(10))
+        {
             return;
         }
+        st.service_names_refreshed = Some(Instant::now());
         st.service_names_at = Some(st.syncs_total);
         st.service_names = p.owners().map(|(id, o)| (o.svc_id, id.to_string())).collect();
         st.no_local_endpoints_internal = p
@@ -345,7 +358,8 @@ fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status:
     let objects = Arc::new(source.objects());
     let send_all = |tx: &mpsc::UnboundedSender<SourceEvent>, o: &source::Objects| {
         let _ = tx.send(SourceEvent::ServicesReset(o.services_vec()));
-        let _ = tx.send(SourceEvent::SlicesReset(o.slices_vec()));
+        let slices = o.slices.values().filter_map(source::SliceLite::from_k8s).collect();
+        let _ = tx.send(SourceEvent::SlicesReset(slices));
     };
     send_all(&tx, &objects);
     let _ = tx.send(SourceEvent::Synced);
@@ -373,19 +387,17 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     tokio::spawn(http::serve(health, Endpoints::Health, status.clone()));
     tokio::spawn(http::serve(metrics, Endpoints::Metrics, status.clone()));
 
-    // The API client comes first: without it there is nothing to program, and its
-    // address is never a ClusterIP this agent has yet to program (bootstrap).
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    match &cfg.source {
-        SourceConfig::Manifests(dir) => start_manifests(dir.clone(), tx, status.clone()),
-        SourceConfig::Kube { kubeconfig } => {
-            let client = source::kube::client(kubeconfig.as_deref())
+    // The API client is built first (a bad kubeconfig is a configuration error before
+    // anything touches the kernel); its address is used as given, never a ClusterIP this
+    // agent has yet to program (bootstrap).
+    let client = match &cfg.source {
+        SourceConfig::Kube { kubeconfig } => Some(
+            source::kube::client(kubeconfig.as_deref())
                 .await
-                .map_err(|e| AgentError::Source(e.to_string()))?;
-            tokio::spawn(source::kube::run(client, cfg.node_name.clone(), tx));
-        }
-    }
-
+                .map_err(|e| AgentError::Source(e.to_string()))?,
+        ),
+        SourceConfig::Manifests(_) => None,
+    };
     let loaded = dataplane::load(&cfg.load)?;
     if loaded.adopted {
         info!("adopted pinned state from a previous agent; writing only the difference");
@@ -404,6 +416,16 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     }
     if let Some(logger) = loaded.logger {
         tokio::spawn(forward_bpf_logs(logger));
+    }
+    // The source starts after the programs are loaded: the kernel's BTF, parsed while
+    // loading, is freed before the first list fills memory, which keeps the peak down.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    match (&cfg.source, client) {
+        (SourceConfig::Manifests(dir), _) => start_manifests(dir.clone(), tx, status.clone()),
+        (SourceConfig::Kube { .. }, Some(client)) => {
+            tokio::spawn(source::kube::run(client, cfg.node_name.clone(), tx));
+        }
+        (SourceConfig::Kube { .. }, None) => unreachable!("client built above"),
     }
     let node = NodeInfo { name: cfg.node_name.clone(), addresses: node_addresses(&cfg)?, zone: None };
     info!(node = %node.name, addresses = ?node.addresses, "node");
@@ -430,11 +452,26 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         tokio::select! {
             event = rx.recv() => {
                 let Some(event) = event else { warn!("the source stopped"); break };
-                // Coalesce: everything already queued joins this sync.
+                // Coalesce: everything already queued joins this sync, and so does what
+                // follows within COALESCE_QUIET (a burst is streamed event by event, not
+                // queued at once), for at most COALESCE_MAX.
+                // A lone change is synced at once; only once a second event shows a burst
+                // in progress does the loop wait for the source to go quiet.
+                let until = tokio::time::Instant::now() + COALESCE_MAX;
                 let mut next = Some(event);
+                let mut batched = 0usize;
                 while let Some(ev) = next {
                     handle_event(ev, &mut syncer, &mut dirty, &mut synced_source);
-                    next = rx.try_recv().ok();
+                    batched += 1;
+                    next = match rx.try_recv() {
+                        Ok(ev) => Some(ev),
+                        Err(mpsc::error::TryRecvError::Empty)
+                            if batched > 1 && synced_source && tokio::time::Instant::now() < until =>
+                        {
+                            tokio::time::timeout(COALESCE_QUIET, rx.recv()).await.ok().flatten()
+                        }
+                        Err(_) => None,
+                    };
                 }
                 if synced_source && (!dirty.is_empty() || syncer.programmed.is_none()) {
                     status.lock().expect("status lock").last_queued = Some(SystemTime::now());
@@ -493,5 +530,11 @@ fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced:
         }
         SourceEvent::Node(_) => {}
     }
+    let node_event = matches!(ev, SourceEvent::Node(_));
     syncer.engine.store.apply(ev, dirty);
+    if node_event {
+        // nodeEligible (taint, deletionTimestamp) changes without a zone change dirty no
+        // Service, so no sync follows to publish it: /healthz must see it now.
+        syncer.status.lock().expect("status lock").node_ineligible = !node_eligible(syncer.engine.store.node());
+    }
 }

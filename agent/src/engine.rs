@@ -13,6 +13,7 @@ use k8s_openapi::api::{
 };
 
 use crate::{
+    source::{SliceLite, compact::compact_service},
     model::{self, FrontendKind, NodeInfo, Problem, Protocol, Scope, ServicePortId, ServicePortState, Skip},
     source::{ObjectKey, SourceEvent},
 };
@@ -40,17 +41,18 @@ fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> 
 }
 
 /// The Service an EndpointSlice belongs to (same namespace, `kubernetes.io/service-name`).
-fn owner_of(slice: &EndpointSlice) -> Option<ObjectKey> {
-    let name = slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
-    let ns = slice.metadata.namespace.clone().unwrap_or_else(|| "default".into());
-    Some(ObjectKey::new(ns, name.clone()))
+fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
+    let name = slice.label(SERVICE_NAME_LABEL)?;
+    Some(ObjectKey::new(slice.namespace.to_string(), name.to_string()))
 }
 
 #[derive(Debug, Default)]
 pub struct Store {
-    services: HashMap<ObjectKey, Service>,
-    slices: HashMap<ObjectKey, EndpointSlice>,
+    services: HashMap<ObjectKey, Box<Service>>,
+    slices: HashMap<ObjectKey, SliceLite>,
     slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Slices that name no Service (reported, never programmed).
+    orphans: BTreeSet<ObjectKey>,
     node: Option<Node>,
 }
 
@@ -82,11 +84,7 @@ impl Store {
                     dirty.services.insert(k);
                 }
             }
-            SourceEvent::SliceApplied(slice) => {
-                if let Some(k) = key_of(&slice.metadata) {
-                    self.put_slice(k, slice, dirty);
-                }
-            }
+            SourceEvent::SliceApplied(slice) => self.put_slice(slice.key(), slice, dirty),
             SourceEvent::SliceDeleted(k) => self.remove_slice(&k, dirty),
             SourceEvent::Node(node) => {
                 let node = node.map(|n| *n);
@@ -100,17 +98,18 @@ impl Store {
     }
 
     fn put_service(&mut self, k: ObjectKey, svc: Service, dirty: &mut Dirty) {
-        if self.services.get(&k) != Some(&svc) {
-            self.services.insert(k.clone(), svc);
+        let svc = compact_service(svc);
+        if self.services.get(&k).map(|b| &**b) != Some(&svc) {
+            self.services.insert(k.clone(), Box::new(svc));
             dirty.services.insert(k);
         }
     }
 
     fn reset_services(&mut self, list: Vec<Service>, dirty: &mut Dirty) {
-        let mut next: HashMap<ObjectKey, Service> = HashMap::with_capacity(list.len());
+        let mut next: HashMap<ObjectKey, Box<Service>> = HashMap::with_capacity(list.len());
         for svc in list {
             if let Some(k) = key_of(&svc.metadata) {
-                next.insert(k, svc);
+                next.insert(k, Box::new(compact_service(svc)));
             }
         }
         for (k, old) in &self.services {
@@ -126,20 +125,26 @@ impl Store {
         self.services = next;
     }
 
-    fn put_slice(&mut self, k: ObjectKey, slice: EndpointSlice, dirty: &mut Dirty) {
+    fn put_slice(&mut self, k: ObjectKey, slice: SliceLite, dirty: &mut Dirty) {
         if self.slices.get(&k) == Some(&slice) {
             return;
         }
         self.remove_slice(&k, dirty);
-        if let Some(owner) = owner_of(&slice) {
-            self.slices_by_service.entry(owner.clone()).or_default().insert(k.clone());
-            dirty.services.insert(owner);
+        match owner_of(&slice) {
+            Some(owner) => {
+                self.slices_by_service.entry(owner.clone()).or_default().insert(k.clone());
+                dirty.services.insert(owner);
+            }
+            None => {
+                self.orphans.insert(k.clone());
+            }
         }
         self.slices.insert(k, slice);
     }
 
     fn remove_slice(&mut self, k: &ObjectKey, dirty: &mut Dirty) {
         let Some(old) = self.slices.remove(k) else { return };
+        self.orphans.remove(k);
         if let Some(owner) = owner_of(&old) {
             if let Some(set) = self.slices_by_service.get_mut(&owner) {
                 set.remove(k);
@@ -151,13 +156,8 @@ impl Store {
         }
     }
 
-    fn reset_slices(&mut self, list: Vec<EndpointSlice>, dirty: &mut Dirty) {
-        let mut next: HashMap<ObjectKey, EndpointSlice> = HashMap::with_capacity(list.len());
-        for slice in list {
-            if let Some(k) = key_of(&slice.metadata) {
-                next.insert(k, slice);
-            }
-        }
+    fn reset_slices(&mut self, list: Vec<SliceLite>, dirty: &mut Dirty) {
+        let next: HashMap<ObjectKey, SliceLite> = list.into_iter().map(|s| (s.key(), s)).collect();
         let gone: Vec<ObjectKey> = self.slices.keys().filter(|k| !next.contains_key(*k)).cloned().collect();
         for k in gone {
             self.remove_slice(&k, dirty);
@@ -167,22 +167,23 @@ impl Store {
         }
     }
 
+    /// The Service's slices as API objects, for the model (built only for Services that
+    /// are recomputed).
     fn slices_of(&self, svc: &ObjectKey) -> Vec<EndpointSlice> {
         self.slices_by_service
             .get(svc)
             .into_iter()
             .flatten()
-            .filter_map(|k| self.slices.get(k).cloned())
+            .filter_map(|k| self.slices.get(k).map(SliceLite::to_k8s))
             .collect()
     }
 
     /// EndpointSlices that name no Service: reported, never programmed.
     fn orphan_problems(&self) -> Vec<Problem> {
         let mut out: Vec<Problem> = self
-            .slices
+            .orphans
             .iter()
-            .filter(|(_, s)| owner_of(s).is_none())
-            .map(|(k, _)| Problem {
+            .map(|k| Problem {
                 object: format!("EndpointSlice {k}"),
                 field: "metadata.labels".into(),
                 message: format!("no {SERVICE_NAME_LABEL} label, so it belongs to no Service; it is ignored"),
@@ -203,13 +204,8 @@ impl Store {
         let mut out = Vec::new();
         for svc in services {
             for k in self.slices_by_service.get(svc).into_iter().flatten() {
-                let value = self
-                    .slices
-                    .get(k)
-                    .and_then(|s| s.metadata.annotations.as_ref())
-                    .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME));
-                if let Some(v) = value {
-                    out.push((svc.clone(), k.clone(), v.clone()));
+                if let Some(v) = self.slices.get(k).and_then(|s| s.trigger_time.as_deref()) {
+                    out.push((svc.clone(), k.clone(), v.to_string()));
                 }
             }
         }
@@ -270,6 +266,16 @@ impl Engine {
         &self.desired
     }
 
+    /// Lends the desired state out (a full plan reads it whole); give it back with
+    /// [`Engine::restore_desired`].
+    pub fn take_desired(&mut self) -> BTreeMap<ServicePortId, ServicePortState> {
+        std::mem::take(&mut self.desired)
+    }
+
+    pub fn restore_desired(&mut self, desired: BTreeMap<ServicePortId, ServicePortState>) {
+        self.desired = desired;
+    }
+
     /// Every problem and skip, for logging and metrics.
     pub fn report(&self) -> (Vec<Problem>, Vec<Skip>) {
         let mut problems = self.store.orphan_problems();
@@ -308,7 +314,7 @@ impl Engine {
         changes: &mut Vec<(ServicePortId, Option<ServicePortState>)>,
     ) -> BTreeSet<ObjectKey> {
         let mut state = match self.store.services.get(k) {
-            Some(svc) => model::compute(std::slice::from_ref(svc), &self.store.slices_of(k), &self.node),
+            Some(svc) => model::compute(std::slice::from_ref(&**svc), &self.store.slices_of(k), &self.node),
             None => model::DesiredState::default(),
         };
         let old_ports = self.ports_of.remove(k).unwrap_or_default();
@@ -407,7 +413,11 @@ mod tests {
         .unwrap()
     }
 
-    fn slice(name: &str, svc: &str, ips: &[&str]) -> EndpointSlice {
+    fn slice(name: &str, svc: &str, ips: &[&str]) -> SliceLite {
+        SliceLite::from_k8s(&slice_k8s(name, svc, ips)).unwrap()
+    }
+
+    fn slice_k8s(name: &str, svc: &str, ips: &[&str]) -> EndpointSlice {
         let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}]}}")).collect();
         serde_yaml::from_str(&format!(
             "metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {svc}}}}}\n\
@@ -519,10 +529,9 @@ mod tests {
     fn trigger_times_of_the_given_services_slices() {
         let mut e = engine();
         let mut a1 = slice("a-1", "a", &["10.0.0.1"]);
-        a1.metadata.annotations =
-            Some([(LAST_CHANGE_TRIGGER_TIME.to_string(), "2024-05-01T12:00:00Z".to_string())].into());
+        a1.trigger_time = Some("2024-05-01T12:00:00Z".into());
         let mut b1 = slice("b-1", "b", &["10.0.0.2"]);
-        b1.metadata.annotations = a1.metadata.annotations.clone();
+        b1.trigger_time = a1.trigger_time.clone();
         let a2 = slice("a-2", "a", &["10.0.0.3"]); // no annotation
         feed(&mut e, vec![SourceEvent::SlicesReset(vec![a1, a2, b1])]);
         assert_eq!(
@@ -537,7 +546,7 @@ mod tests {
     fn orphan_slices_are_reported() {
         let mut e = engine();
         let mut orphan = slice("x-1", "x", &["10.0.0.1"]);
-        orphan.metadata.labels = None;
+        orphan.labels = Box::new([]);
         feed(&mut e, vec![SourceEvent::SlicesReset(vec![orphan])]);
         let (problems, _) = e.report();
         assert_eq!(problems.len(), 1, "{problems:?}");

@@ -14,6 +14,8 @@ use crate::{
 /// What `/healthz`, `/livez` and `/metrics` report. Updated by the sync loop.
 #[derive(Debug)]
 pub struct Status {
+    /// When the per-service names were last rebuilt (see `Syncer::refresh_counters`).
+    pub service_names_refreshed: Option<std::time::Instant>,
     /// Set once the first full sync reached the maps.
     pub synced: bool,
     /// When the source last reported a change the dataplane has not applied yet.
@@ -153,6 +155,7 @@ impl Histogram {
 impl Default for Status {
     fn default() -> Self {
         Status {
+            service_names_refreshed: None,
             synced: false,
             last_queued: None,
             last_updated: None,
@@ -183,7 +186,9 @@ impl Default for Status {
             healthz_total: BTreeMap::new(),
             livez_total: BTreeMap::new(),
             node_ineligible: false,
-            source_connected: false,
+            // As the kube source's own state: nothing reported counts as connected, so
+            // the first outage (`Connected(false)`) is seen as a change and logged.
+            source_connected: true,
         }
     }
 }

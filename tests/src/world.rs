@@ -642,9 +642,10 @@ impl World {
         let ns = format!("/run/netns/{}", self.node_ns);
         std::thread::spawn(move || {
             let f = fs::File::open(&ns).unwrap_or_else(|e| panic!("{ns}: {e}"));
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
             // SAFETY: setns on this helper thread only; it exits once the server started
             // (the server's own threads are spawned from here and stay in the namespace).
-            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f), libc::CLONE_NEWNET) } != 0 {
+            if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
                 panic!("setns {ns}: {}", std::io::Error::last_os_error());
             }
             crate::fakeapi::FakeApi::start_with(opts)
@@ -695,7 +696,8 @@ impl World {
             .stderr(log);
         self.agent = Some(spawn_in(&self.node_ns, None, &mut cmd));
         let ns = self.node_ns.clone();
-        eventually("agent (--kubeconfig) /healthz 200", Duration::from_secs(30), || {
+        let what = "agent (--kubeconfig) /healthz 200";
+        eventually(what, Duration::from_secs(30), || {
             if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
                 panic!(
                     "agent exited with {status} before it was ready:\n{}",

@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: the developer commands. Every failure says which command
 //! failed and what to run to fix it.
 
+mod bench;
 mod build;
 mod setup;
 
@@ -32,6 +33,14 @@ enum Cmd {
     },
     /// Show ferry at work in a small world of network namespaces (root).
     Demo,
+    /// Build everything, then run a benchmark (root): `control-plane`.
+    Bench {
+        /// Which benchmark: control-plane.
+        name: String,
+        /// Extra arguments for `ferry-bench` (e.g. `--scale 10000x10 --runs 5`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -41,5 +50,6 @@ fn main() -> Result<()> {
         Cmd::Build => build::all(),
         Cmd::Test { unit_only, filter } => build::test(unit_only, filter.as_deref()),
         Cmd::Demo => build::demo(),
+        Cmd::Bench { name, args } => bench::run(&name, &args),
     }
 }

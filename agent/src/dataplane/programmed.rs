@@ -24,6 +24,8 @@ pub struct Programmed {
     owners: BTreeMap<ServicePortId, Owned>,
     /// How many ServicePorts reference each backend id.
     backend_refs: HashMap<u32, u32>,
+    /// Slot-0 entries in `content.services`, kept current so status never walks the map.
+    frontends: usize,
 }
 
 /// The original values of everything one update touched, to diff against.
@@ -50,7 +52,8 @@ impl Programmed {
                 *backend_refs.entry(*b).or_default() += 1;
             }
         }
-        (Programmed { content, ids, owners, backend_refs }, plan, errors)
+        let frontends = content.services.keys().filter(|k| k.slot == 0).count();
+        (Programmed { content, ids, owners, backend_refs, frontends }, plan, errors)
     }
 
     pub fn programmed_ports(&self) -> usize {
@@ -93,7 +96,9 @@ impl Programmed {
         self.ids.services.remove(id);
         for k in &owned.keys {
             t.services.entry(*k).or_insert_with(|| self.content.services.get(k).copied());
-            self.content.services.remove(k);
+            if self.content.services.remove(k).is_some() && k.slot == 0 {
+                self.frontends -= 1;
+            }
         }
         for b in &owned.backends {
             let m = MemberKey { svc_id: owned.svc_id, backend_id: *b };
@@ -150,7 +155,9 @@ impl Programmed {
         self.remove(id, t);
         for (k, v) in scratch.services {
             t.services.entry(k).or_insert_with(|| self.content.services.get(&k).copied());
-            self.content.services.insert(k, v);
+            if self.content.services.insert(k, v).is_none() && k.slot == 0 {
+                self.frontends += 1;
+            }
         }
         for (b, v) in scratch.backends {
             t.backends.entry(b).or_insert_with(|| self.content.backends.get(&b).copied());
@@ -242,7 +249,7 @@ impl Programmed {
     }
 
     pub fn frontend_count(&self) -> usize {
-        self.content.services.keys().filter(|k| k.slot == 0).count()
+        self.frontends
     }
 }
 
@@ -315,6 +322,8 @@ mod tests {
             let used: BTreeSet<u32> = p.owners.values().flat_map(|o| o.backends.iter().copied()).collect();
             let stored: BTreeSet<u32> = p.content.backends.keys().copied().collect();
             assert_eq!(used, stored, "step {i}: backends stored must be exactly those referenced");
+            let frontends = p.content.services.keys().filter(|k| k.slot == 0).count();
+            assert_eq!(p.frontend_count(), frontends, "step {i}: the frontend counter must follow the map");
             plans.push(plan);
             prev = next;
         }

@@ -23,6 +23,8 @@ use futures::stream::{self, BoxStream, FuturesUnordered};
 use futures::{FutureExt, StreamExt, future::BoxFuture};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::{SliceLite, compact::compact_service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams};
 use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig};
@@ -443,7 +445,8 @@ impl Update {
 struct Mapper {
     node_name: String,
     services: Vec<Service>,
-    slices: Vec<EndpointSlice>,
+    /// Converted as each object arrives: a relist never holds the API objects.
+    slices: Vec<SliceLite>,
     nodes: Vec<Node>,
     /// Which kinds finished their first list.
     listed: [bool; 3],
@@ -508,7 +511,7 @@ impl Mapper {
         let mut out: Vec<SourceEvent> = self.recovered(kind).into_iter().collect();
         let listed = match update {
             Update::Service(event) => {
-                let event = event.modify(|s| strip_meta(&mut s.metadata));
+                let event = event.modify(|s| *s = compact_service(std::mem::take(s)));
                 let listed = matches!(event, watcher::Event::InitDone);
                 match step(&mut self.services, event) {
                     Some(Step::Reset(all)) => {
@@ -526,19 +529,21 @@ impl Mapper {
                 listed
             }
             Update::Slice(event) => {
-                let event = event.modify(|s| strip_meta(&mut s.metadata));
                 let listed = matches!(event, watcher::Event::InitDone);
-                match step(&mut self.slices, event) {
+                let event = match event {
+                    watcher::Event::Init => Some(watcher::Event::Init),
+                    watcher::Event::InitDone => Some(watcher::Event::InitDone),
+                    watcher::Event::InitApply(s) => SliceLite::from_k8s(&s).map(watcher::Event::InitApply),
+                    watcher::Event::Apply(s) => SliceLite::from_k8s(&s).map(watcher::Event::Apply),
+                    watcher::Event::Delete(s) => SliceLite::from_k8s(&s).map(watcher::Event::Delete),
+                };
+                match event.and_then(|e| step(&mut self.slices, e)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed EndpointSlices");
                         out.push(SourceEvent::SlicesReset(all));
                     }
                     Some(Step::Applied(s)) => out.push(SourceEvent::SliceApplied(s)),
-                    Some(Step::Deleted(s)) => {
-                        out.extend(
-                            ObjectKey::from_meta(&s.metadata).map(SourceEvent::SliceDeleted),
-                        );
-                    }
+                    Some(Step::Deleted(s)) => out.push(SourceEvent::SliceDeleted(s.key())),
                     None => {}
                 }
                 listed
@@ -702,13 +707,13 @@ mod tests {
             SourceEvent::SlicesReset(all) => format!(
                 "SlicesReset[{}]",
                 all.iter()
-                    .map(|s| name(&s.metadata))
+                    .map(|s| s.name.to_string())
                     .collect::<Vec<_>>()
                     .join(",")
             ),
             SourceEvent::ServiceApplied(s) => format!("ServiceApplied {}", name(&s.metadata)),
             SourceEvent::ServiceDeleted(key) => format!("ServiceDeleted {key}"),
-            SourceEvent::SliceApplied(s) => format!("SliceApplied {}", name(&s.metadata)),
+            SourceEvent::SliceApplied(s) => format!("SliceApplied {}", s.name),
             SourceEvent::SliceDeleted(key) => format!("SliceDeleted {key}"),
             SourceEvent::Node(Some(n)) => format!("Node {}", name(&n.metadata)),
             SourceEvent::Node(None) => "Node -".to_owned(),
@@ -885,14 +890,17 @@ mod tests {
             panic!("unexpected events {events:?}");
         };
         assert_eq!(s.metadata.managed_fields, None);
-        assert_eq!(s.metadata.annotations, trigger_only);
-        assert_eq!(slices[0].metadata.managed_fields, None);
-        assert_eq!(slices[0].metadata.annotations, trigger_only);
+        // Services keep no annotation (kube-proxy reads none); slices keep only the trigger time.
+        assert_eq!(s.metadata.annotations, None);
+        assert_eq!(
+            slices[0].trigger_time.as_deref(),
+            trigger_only.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)).map(String::as_str)
+        );
         assert_eq!(n.metadata.managed_fields, None);
         assert_eq!(n.status.as_ref().unwrap().images, None);
         // Everything else stays.
         assert_eq!(s.metadata.name.as_deref(), Some("a"));
-        assert_eq!(slices[0].address_type, "IPv4");
+        assert_eq!(&*slices[0].address_type, "IPv4");
     }
 
     #[test]

@@ -6,11 +6,13 @@
 //! - [`manifests`]: a directory of YAML/JSON, rescanned every 200 ms;
 //! - [`kube`]: the Kubernetes API through kube-rs watchers.
 
+pub mod compact;
 pub mod kube;
 pub mod manifests;
 pub mod store;
 
-use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+pub use compact::SliceLite;
+use k8s_openapi::api::{core::v1::Node, core::v1::Service};
 pub use store::{ObjectKey, Objects};
 
 /// What a source tells the agent, in order, over an unbounded channel.
@@ -22,11 +24,11 @@ pub enum SourceEvent {
     /// The complete set of Services (initial list, relist after 410 Gone or a dropped
     /// watch, or a manifests rescan). Replaces every Service the agent knew.
     ServicesReset(Vec<Service>),
-    /// The complete set of EndpointSlices, likewise.
-    SlicesReset(Vec<EndpointSlice>),
+    /// The complete set of EndpointSlices, likewise (compact: see [`compact`]).
+    SlicesReset(Vec<SliceLite>),
     ServiceApplied(Service),
     ServiceDeleted(ObjectKey),
-    SliceApplied(EndpointSlice),
+    SliceApplied(SliceLite),
     SliceDeleted(ObjectKey),
     /// This node's Node object; `None` when it does not exist (yet).
     Node(Option<Box<Node>>),

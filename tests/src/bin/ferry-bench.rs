@@ -1,0 +1,1267 @@
+//! `ferry-bench control-plane`: the agent's control plane against the in-process fake
+//! API server, at scale (docs/benchmarks.md).
+//!
+//! ```text
+//! ferry-bench control-plane [--scale SxE]... [--runs N] [--changes N] [--out DIR]
+//!                           [--log-level FILTER]
+//! ```
+//!
+//! For each scale (default 10000x10 and 1000x100: S Services `svc-i`, one EndpointSlice
+//! of E endpoints each) the fake API server is loaded once; then `--runs` times a fresh
+//! bpffs directory, cgroup and agent (host network namespace, `--node-ip 192.0.2.1`):
+//!
+//! - full sync: from spawning `ferry agent` to `/healthz` answering 200 (polled every
+//!   5 ms), with the phases from the agent's own log timestamps;
+//! - on the last run, `--changes` single EndpointSlice changes (one endpoint added to or
+//!   removed from a different Service each time), each timed from `FakeApi::apply` to
+//!   the new `count` in the frontend's slot 0 of the pinned service map (polled with
+//!   ~25 µs sleeps);
+//! - the agent's peak RSS (`VmHWM`) after the sync and at the end.
+//!
+//! Prints one table and writes `DIR/control-plane.json` (default `target/bench`) and
+//! the agent logs next to it. Everything it creates (agents, pins, cgroups) is removed
+//! when it ends, also on failure and on Ctrl-C.
+
+use std::{
+    fs,
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitCode, Stdio},
+    sync::Mutex,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use ferry_common::{
+    LAYOUT_VERSION, addr_from_v4_be,
+    lb::{PROTO_TCP, SCOPE_LOCAL_ORIGIN, SERVICES_MAP, ServiceKey, ServiceValue},
+};
+use ferry_tests::{
+    bin, cgroup2_mount,
+    fakeapi::{FakeApi, Kind, generate},
+};
+use serde_json::{Value, json};
+
+const USAGE: &str = "usage: ferry-bench control-plane [--scale SxE]... [--runs N] [--changes N] [--out DIR] [--log-level FILTER]";
+
+/// Targets from the issue.
+const TARGET_FULL_SYNC: Duration = Duration::from_secs(2);
+const TARGET_CHANGE_P50: Duration = Duration::from_millis(10);
+const TARGET_RSS_KIB: u64 = 64 * 1024;
+
+/// Map capacity flags: 10k x (1 + 10) = 110k service entries fit with room.
+const MAX_SERVICES: u32 = 262_144;
+const MAX_BACKENDS: u32 = 262_144;
+const NODE_NAME: &str = "bench-node";
+const NODE_IP: &str = "192.0.2.1";
+/// How long one full sync may take before the run is declared failed.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long one change may take to show before it is counted as lost.
+const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Quiet time between two changes, so each one is measured on an idle agent.
+const CHANGE_GAP: Duration = Duration::from_millis(50);
+
+#[derive(Clone, Copy, Debug)]
+struct Scale {
+    services: usize,
+    endpoints: usize,
+}
+
+impl Scale {
+    fn label(&self) -> String {
+        format!("{}x{}", self.services, self.endpoints)
+    }
+}
+
+struct Args {
+    scales: Vec<Scale>,
+    runs: usize,
+    changes: usize,
+    out: PathBuf,
+    log_level: String,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    match it.next().as_deref() {
+        Some("control-plane") => {}
+        Some("-h" | "--help") | None => return Err(String::new()),
+        Some(other) => return Err(format!("unknown benchmark {other:?}")),
+    }
+    let mut a = Args {
+        scales: Vec::new(),
+        runs: 3,
+        changes: 60,
+        out: Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench"),
+        log_level: "info".into(),
+    };
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--scale" => {
+                let v = value()?;
+                let (s, e) = v
+                    .split_once('x')
+                    .ok_or_else(|| format!("--scale {v}: expected SERVICESxENDPOINTS"))?;
+                let n = |x: &str| x.parse::<usize>().map_err(|e| format!("--scale {v}: {e}"));
+                a.scales.push(Scale {
+                    services: n(s)?,
+                    endpoints: n(e)?,
+                });
+            }
+            "--runs" => a.runs = value()?.parse().map_err(|e| format!("--runs: {e}"))?,
+            "--changes" => a.changes = value()?.parse().map_err(|e| format!("--changes: {e}"))?,
+            "--out" => a.out = value()?.into(),
+            "--log-level" => a.log_level = value()?,
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if a.scales.is_empty() {
+        a.scales = vec![
+            Scale {
+                services: 10_000,
+                endpoints: 10,
+            },
+            Scale {
+                services: 1_000,
+                endpoints: 100,
+            },
+        ];
+    }
+    if a.runs == 0 {
+        return Err("--runs must be at least 1".into());
+    }
+    Ok(a)
+}
+
+// ---------------------------------------------------------------------------------------
+// What to remove on Ctrl-C (Drop does not run when a signal ends the process).
+
+struct Active {
+    id: u64,
+    agent: Option<i32>,
+    bpffs: PathBuf,
+    cgroup: PathBuf,
+}
+
+static ACTIVE: Mutex<Vec<Active>> = Mutex::new(Vec::new());
+/// The scratch directory (kubeconfigs), removed at the end, on panic and on Ctrl-C.
+static WORKDIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+struct WorkDir(PathBuf);
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn teardown(agent: Option<i32>, bpffs: &Path, cgroup: &Path) {
+    if let Some(pid) = agent {
+        // SAFETY: signalling the agent this benchmark started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let _ = Command::new(bin("ferry"))
+        .arg("cleanup")
+        .arg("--bpffs")
+        .arg(bpffs)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    let _ = fs::remove_dir(bpffs);
+    for _ in 0..100 {
+        if fs::remove_dir(cgroup).is_ok() || !cgroup.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn install_signal_teardown() {
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: plain sigset manipulation on our own stack value; blocking the signals in
+    // every thread so that only the waiter below receives them (children get a clean
+    // mask from std's spawn).
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    std::thread::spawn(move || {
+        let mut sig = 0;
+        // SAFETY: waits on the signals blocked above.
+        unsafe { libc::sigwait(&set, &mut sig) };
+        eprintln!("\nferry-bench: interrupted, removing agents, pins and cgroups");
+        let active = ACTIVE.lock().unwrap_or_else(|e| e.into_inner());
+        for a in active.iter() {
+            teardown(a.agent, &a.bpffs, &a.cgroup);
+        }
+        if let Some(w) = WORKDIR.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let _ = fs::remove_dir_all(w);
+        }
+        std::process::exit(130);
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// One agent run: bpffs directory, cgroup, agent process.
+
+struct Env {
+    id: u64,
+    bpffs: PathBuf,
+    cgroup: PathBuf,
+    log: PathBuf,
+    agent: Option<Child>,
+    health: u16,
+}
+
+impl Env {
+    fn new(tag: &str, log: PathBuf) -> Result<Env, String> {
+        static SEQ: Mutex<u64> = Mutex::new(0);
+        let id = {
+            let mut s = SEQ.lock().unwrap();
+            *s += 1;
+            *s
+        };
+        let name = format!("ferry-bench-{}-{tag}", std::process::id());
+        let bpffs = PathBuf::from(format!("/sys/fs/bpf/{name}"));
+        let cgroup = cgroup2_mount().join(&name);
+        let _ = fs::remove_dir(&cgroup);
+        fs::create_dir_all(&cgroup)
+            .map_err(|e| format!("creating cgroup {}: {e}", cgroup.display()))?;
+        ACTIVE.lock().unwrap().push(Active {
+            id,
+            agent: None,
+            bpffs: bpffs.clone(),
+            cgroup: cgroup.clone(),
+        });
+        Ok(Env {
+            id,
+            bpffs,
+            cgroup,
+            log,
+            agent: None,
+            health: 0,
+        })
+    }
+
+    /// Spawns the agent; returns when it is spawned (not ready).
+    fn spawn_agent(&mut self, kubeconfig: &Path, log_level: &str) -> Result<(), String> {
+        self.health = free_port()?;
+        let metrics = free_port()?;
+        let log =
+            fs::File::create(&self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
+        // FERRY_BENCH_WRAPPER (e.g. "perf record -g -o /tmp/agent.perf --" or
+        // "heaptrack -o /tmp/agent") runs the agent under a profiler; its numbers are
+        // then the profiler's business, not results.
+        let wrapper = std::env::var("FERRY_BENCH_WRAPPER").unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        let mut cmd = match words.next() {
+            Some(w) => {
+                let mut c = Command::new(w);
+                c.args(words).arg(bin("ferry"));
+                c
+            }
+            None => Command::new(bin("ferry")),
+        };
+        cmd.arg("agent")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--cgroup")
+            .arg(&self.cgroup)
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .args(["--node-name", NODE_NAME, "--node-ip", NODE_IP])
+            .arg("--health-addr")
+            .arg(format!("127.0.0.1:{}", self.health))
+            .arg("--metrics-addr")
+            .arg(format!("127.0.0.1:{metrics}"))
+            .arg("--max-services")
+            .arg(MAX_SERVICES.to_string())
+            .arg("--max-backends")
+            .arg(MAX_BACKENDS.to_string())
+            .env("RUST_LOG", log_level)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log);
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("spawning {}: {e}", bin("ferry").display()))?;
+        let pid = child.id() as i32;
+        if let Some(a) = ACTIVE.lock().unwrap().iter_mut().find(|a| a.id == self.id) {
+            a.agent = Some(pid);
+        }
+        self.agent = Some(child);
+        Ok(())
+    }
+
+    /// The agent's pid (below a FERRY_BENCH_WRAPPER, the first descendant named ferry).
+    fn pid(&self) -> i32 {
+        let top = self.agent.as_ref().map(|c| c.id() as i32).unwrap_or(0);
+        let mut queue = vec![top];
+        while let Some(p) = queue.pop() {
+            if fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "ferry") {
+                return p;
+            }
+            if let Ok(tasks) = fs::read_dir(format!("/proc/{p}/task")) {
+                for t in tasks.flatten() {
+                    let kids = fs::read_to_string(t.path().join("children")).unwrap_or_default();
+                    queue.extend(
+                        kids.split_whitespace()
+                            .filter_map(|k| k.parse::<i32>().ok()),
+                    );
+                }
+            }
+        }
+        top
+    }
+
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.agent
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn stop_agent(&mut self) {
+        let real = self.pid();
+        if let Some(mut c) = self.agent.take() {
+            let top = c.id() as i32;
+            // SAFETY: signalling the agent this benchmark started.
+            unsafe { libc::kill(real, libc::SIGTERM) };
+            let mut wait = Duration::from_secs(10);
+            if real != top {
+                // Under a wrapper: the agent may have SIGTERM blocked (perf's workload
+                // has), so make sure it ends, then let the wrapper write its data.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while alive(real) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if alive(real) {
+                    // SAFETY: as above.
+                    unsafe { libc::kill(real, libc::SIGKILL) };
+                }
+                wait = Duration::from_secs(120);
+            }
+            let deadline = Instant::now() + wait;
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(a) = ACTIVE.lock().unwrap().iter_mut().find(|a| a.id == self.id) {
+            a.agent = None;
+        }
+    }
+
+    fn services_map(&self) -> Result<BpfHashMap<MapData, ServiceKey, ServiceValue>, String> {
+        let layout = std::env::var("FERRY_LAYOUT_VERSION")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(LAYOUT_VERSION);
+        let path = self.bpffs.join(format!("v{layout}")).join(SERVICES_MAP);
+        let data = MapData::from_pin(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        BpfHashMap::try_from(Map::HashMap(data)).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let real = self.pid();
+        if let Some(mut c) = self.agent.take() {
+            // SAFETY: the agent this benchmark started (below a wrapper, if any).
+            unsafe { libc::kill(real, libc::SIGKILL) };
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        teardown(None, &self.bpffs, &self.cgroup);
+        ACTIVE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|a| a.id != self.id);
+    }
+}
+
+/// True while `pid` exists and is not a zombie.
+fn alive(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rfind(')')
+                .and_then(|i| s.get(i + 2..i + 3))
+                .map(|st| st != "Z")
+        })
+        .unwrap_or(false)
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("finding a free port: {e}"))?;
+    l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+/// `GET path` on 127.0.0.1:port; the status code.
+fn http_status(port: u16, path: &str) -> Option<u16> {
+    let mut s = TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(500),
+    )
+    .ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut head = [0u8; 16];
+    let mut n = 0;
+    while n < 12 {
+        match s.read(&mut head[n..]) {
+            Ok(0) | Err(_) => break,
+            Ok(k) => n += k,
+        }
+    }
+    std::str::from_utf8(&head[..n])
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+// ---------------------------------------------------------------------------------------
+// /proc
+
+/// A `kB` field of /proc/PID/status.
+fn proc_status_kib(pid: i32, field: &str) -> Option<u64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 { t as f64 } else { 100.0 }
+}
+
+/// (user, system) CPU seconds of a process or thread stat file.
+fn cpu_seconds(stat_path: &str) -> Option<(f64, f64)> {
+    let s = fs::read_to_string(stat_path).ok()?;
+    // Fields after the command (which may hold spaces) start after the last ')'.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest[0] is field 3 (state): utime is field 14, stime field 15.
+    let ut: f64 = f.get(11)?.parse().ok()?;
+    let st: f64 = f.get(12)?.parse().ok()?;
+    let hz = clock_ticks();
+    Some((ut / hz, st / hz))
+}
+
+/// CPU seconds of this process' fake-API threads (its runtime threads are named).
+fn fakeapi_cpu_seconds() -> f64 {
+    let Ok(tasks) = fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim().starts_with("ferry-fakeapi"))
+        })
+        .filter_map(|t| cpu_seconds(&t.path().join("stat").to_string_lossy()))
+        .map(|(u, s)| u + s)
+        .sum()
+}
+
+fn machine() -> Value {
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, m)| m.trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let nproc = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let mem_kib = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    json!({"kernel": kernel, "nproc": nproc, "cpu": model, "mem_total_kib": mem_kib})
+}
+
+/// Which code was measured: the commit and the uncommitted paths of the agent's crates
+/// (read-only git queries; empty when git is missing).
+fn revision() -> Value {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(&root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let dirty: Vec<String> = git(&["status", "--porcelain", "--", "agent", "common", "ebpf"])
+        .lines()
+        .map(|l| l.trim().to_string())
+        .collect();
+    json!({"commit": git(&["rev-parse", "--short", "HEAD"]), "uncommitted": dirty})
+}
+
+// ---------------------------------------------------------------------------------------
+// The agent's log
+
+/// `2026-03-28T10:11:12.123456Z` -> microseconds since the epoch.
+fn parse_ts(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    if b.len() < 20 || b[4] != b'-' || b[10] != b'T' {
+        return None;
+    }
+    let n = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
+    let (y, m, d) = (n(0..4)?, n(5..7)?, n(8..10)?);
+    let (hh, mm, ss) = (n(11..13)?, n(14..16)?, n(17..19)?);
+    let mut micros = 0i64;
+    if b.get(19) == Some(&b'.') {
+        let frac: String = s[20..].chars().take_while(char::is_ascii_digit).collect();
+        let digits = frac.len().min(6);
+        micros = frac[..digits].parse::<i64>().ok()? * 10i64.pow(6 - digits as u32);
+    }
+    // Days from civil (Howard Hinnant).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(((days * 86_400 + hh * 3600 + mm * 60 + ss) * 1_000_000) + micros)
+}
+
+fn field_u64(line: &str, name: &str) -> Option<u64> {
+    let pat = format!("{name}=");
+    let i = line.find(&pat)? + pat.len();
+    line[i..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .ok()
+}
+
+/// Milliseconds from `t0_us` (wall clock at spawn) to the first log line containing
+/// `needle`.
+fn phase_ms(log: &str, t0_us: i64, needle: &str) -> Option<f64> {
+    log.lines()
+        .find(|l| l.contains(needle))
+        .and_then(|l| parse_ts(l.split_whitespace().next()?))
+        .map(|t| (t - t0_us) as f64 / 1000.0)
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------
+// Statistics
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    // Nearest rank.
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+fn min_max(v: &[f64]) -> (f64, f64) {
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+            (lo.min(*x), hi.max(*x))
+        })
+}
+
+// ---------------------------------------------------------------------------------------
+// The fake API server's side
+
+fn node_object() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}},
+        "status": {"addresses": [{"type": "InternalIP", "address": NODE_IP}]},
+    })
+}
+
+/// Times a full paginated list (500 a page, the agent's selector) straight from the fake
+/// API server: (milliseconds, bytes, pages).
+fn time_list(addr: SocketAddr, path: &str) -> Result<(f64, usize, usize), String> {
+    let selector =
+        "%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless";
+    let t = Instant::now();
+    let mut token = String::new();
+    let (mut bytes, mut pages) = (0, 0);
+    loop {
+        let mut url = format!("{path}?labelSelector={selector}&limit=500");
+        if !token.is_empty() {
+            url.push_str(&format!("&continue={token}"));
+        }
+        let mut s = TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+        s.write_all(
+            format!("GET {url} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .map_err(|e| e.to_string())?;
+        let mut resp = Vec::new();
+        s.read_to_end(&mut resp).map_err(|e| e.to_string())?;
+        let split = resp
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .ok_or("no HTTP header end")?;
+        let head = String::from_utf8_lossy(&resp[..split]);
+        if !head.starts_with("HTTP/1.1 200") {
+            return Err(format!("GET {url}: {}", head.lines().next().unwrap_or("")));
+        }
+        let body = &resp[split + 4..];
+        bytes += body.len();
+        pages += 1;
+        // The list metadata comes first; no need to parse the items to page on.
+        let head = String::from_utf8_lossy(&body[..body.len().min(512)]);
+        token = head
+            .split_once("\"continue\":\"")
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map(|(t, _)| t.to_string())
+            .unwrap_or_default();
+        if token.is_empty() {
+            break;
+        }
+    }
+    Ok((t.elapsed().as_secs_f64() * 1000.0, bytes, pages))
+}
+
+// ---------------------------------------------------------------------------------------
+// The benchmark
+
+fn cluster_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + 10 + i as u32)
+}
+
+fn slot0_key(ip: Ipv4Addr) -> ServiceKey {
+    ServiceKey {
+        addr: addr_from_v4_be(u32::from(ip).to_be()),
+        port: 80u16.to_be(),
+        slot: 0,
+        proto: PROTO_TCP,
+        scope: SCOPE_LOCAL_ORIGIN,
+        _pad: [0; 2],
+    }
+}
+
+struct Sync {
+    /// Spawn to /healthz 200.
+    healthz_ms: f64,
+    json: Value,
+}
+
+/// Starts the agent and waits for /healthz 200, sampling its RSS meanwhile.
+fn full_sync(env: &mut Env, kubeconfig: &Path, args: &Args, scale: Scale) -> Result<Sync, String> {
+    let fake_cpu0 = fakeapi_cpu_seconds();
+    let t0_wall = now_us();
+    let t0 = Instant::now();
+    env.spawn_agent(kubeconfig, &args.log_level)?;
+    let mut rss_samples: Vec<(f64, u64)> = Vec::new();
+    let healthz = loop {
+        let pid = env.pid();
+        if let Some(st) = env.exited() {
+            return Err(format!(
+                "the agent exited ({st}) before /healthz answered 200; its log:\n{}",
+                env.log_text()
+            ));
+        }
+        if let Some(kib) = proc_status_kib(pid, "VmRSS") {
+            rss_samples.push((t0.elapsed().as_secs_f64() * 1000.0, kib));
+        }
+        if http_status(env.health, "/healthz") == Some(200) {
+            break t0.elapsed();
+        }
+        if t0.elapsed() > SYNC_TIMEOUT {
+            return Err(format!(
+                "/healthz not 200 within {SYNC_TIMEOUT:?}; the agent's log:\n{}",
+                env.log_text()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let healthz_ms = healthz.as_secs_f64() * 1000.0;
+    let pid = env.pid();
+    // The real agent (below a wrapper, if any), for the Ctrl-C teardown.
+    if let Some(a) = ACTIVE.lock().unwrap().iter_mut().find(|a| a.id == env.id) {
+        a.agent = Some(pid);
+    }
+    let cpu = cpu_seconds(&format!("/proc/{pid}/stat")).unwrap_or((0.0, 0.0));
+    let fake_cpu = fakeapi_cpu_seconds() - fake_cpu0;
+    let hwm = proc_status_kib(pid, "VmHWM").unwrap_or(0);
+    let rss = proc_status_kib(pid, "VmRSS").unwrap_or(0);
+    // The log line may trail the health answer by a moment.
+    let mut log = env.log_text();
+    for _ in 0..100 {
+        if log.contains("ready: first full sync") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        log = env.log_text();
+    }
+    let ready_line = log.lines().find(|l| l.contains("ready: first full sync"));
+    let sync_elapsed_ms = ready_line.and_then(|l| field_u64(l, "elapsed_ms"));
+    let phases = json!({
+        "api_client_ms": phase_ms(&log, t0_wall, "Kubernetes API server"),
+        "listed_services_ms": phase_ms(&log, t0_wall, "listed Services"),
+        "listed_slices_ms": phase_ms(&log, t0_wall, "listed EndpointSlices"),
+        "programs_loaded_ms": phase_ms(&log, t0_wall, "attached program="),
+        "attached_ms": phase_ms(&log, t0_wall, " node node="),
+        "ready_logged_ms": phase_ms(&log, t0_wall, "ready: first full sync"),
+    });
+    // Every entry must be there: S frontends + S x E slots.
+    let entries = env.services_map()?.keys().filter(Result::is_ok).count();
+    let expected = scale.services * (1 + scale.endpoints);
+    if entries != expected {
+        return Err(format!(
+            "the service map holds {entries} entries after the sync, expected {expected}; log:\n{log}"
+        ));
+    }
+    // RSS at each phase boundary (last sample before it).
+    let rss_at = |ms: Option<f64>| {
+        ms.and_then(|ms| {
+            rss_samples
+                .iter()
+                .take_while(|(t, _)| *t <= ms)
+                .last()
+                .map(|(_, k)| *k)
+        })
+    };
+    let rss_phases = json!({
+        "at_listed_services_kib": rss_at(phases["listed_services_ms"].as_f64()),
+        "at_listed_slices_kib": rss_at(phases["listed_slices_ms"].as_f64()),
+        "max_sampled_kib": rss_samples.iter().map(|(_, k)| *k).max(),
+        // (ms since spawn, KiB), about every 25 ms.
+        "series": rss_samples
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 5 == 0 || *i + 1 == rss_samples.len())
+            .map(|(_, (t, k))| json!([(t * 10.0).round() / 10.0, k]))
+            .collect::<Vec<_>>(),
+    });
+    Ok(Sync {
+        healthz_ms,
+        json: json!({
+            "healthz_ms": healthz_ms,
+            "agent_sync_elapsed_ms": sync_elapsed_ms,
+            "phases": phases,
+            "agent_cpu_user_s": cpu.0,
+            "agent_cpu_sys_s": cpu.1,
+            "fakeapi_cpu_s": fake_cpu,
+            "vm_hwm_kib": hwm,
+            "vm_rss_kib": rss,
+            "rss": rss_phases,
+            "service_map_entries": entries,
+        }),
+    })
+}
+
+struct Changes {
+    /// Milliseconds, in change order.
+    latencies_ms: Vec<f64>,
+    adds_ms: Vec<f64>,
+    removes_ms: Vec<f64>,
+    /// From the apply to the change arriving on a watch of our own (the API server's
+    /// share: store, watch stream, loopback).
+    delivery_ms: Vec<f64>,
+    lost: usize,
+}
+
+/// `n` single-endpoint changes, each on another Service: even ones add an endpoint, odd
+/// ones remove one.
+fn changes(env: &Env, api: &FakeApi, scale: Scale, n: usize) -> Result<Changes, String> {
+    let map = env.services_map()?;
+    let probe = WatchProbe::start(api)?;
+    // Timer slack down to 1 µs so the ~20 µs polling sleeps stay short.
+    // SAFETY: prctl on this thread only.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
+    let mut out = Changes {
+        latencies_ms: Vec::new(),
+        adds_ms: Vec::new(),
+        removes_ms: Vec::new(),
+        delivery_ms: Vec::new(),
+        lost: 0,
+    };
+    for i in 0..n {
+        // A different Service each time (7919 is prime, so distinct for i < services).
+        let k = (i * 7919 + 13) % scale.services;
+        let key = slot0_key(cluster_ip(k));
+        let before = map
+            .get(&key, 0)
+            .map_err(|e| format!("svc-{k} ({}) not in the map: {e}", cluster_ip(k)))?;
+        let name = format!("svc-{k}-0");
+        let mut slice = api
+            .get(Kind::EndpointSlice, "default", &name)
+            .ok_or_else(|| format!("EndpointSlice {name} missing"))?;
+        let eps = slice["endpoints"]
+            .as_array_mut()
+            .ok_or("slice without endpoints")?;
+        let add = i % 2 == 0 || eps.is_empty();
+        if add {
+            let ip = Ipv4Addr::new(10, 200, (i / 250) as u8, (i % 250) as u8 + 1);
+            eps.push(json!({
+                "addresses": [ip.to_string()],
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+            }));
+        } else {
+            eps.pop();
+        }
+        let want = eps.len() as u16;
+        if want == before.count {
+            return Err(format!("svc-{k}: change would not alter the count"));
+        }
+        let t = Instant::now();
+        api.apply(slice);
+        let seen = loop {
+            match map.get(&key, 0) {
+                Ok(v) if v.count == want => break Some(t.elapsed()),
+                _ => {}
+            }
+            if t.elapsed() > CHANGE_TIMEOUT {
+                break None;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        };
+        match seen {
+            Some(d) => {
+                let ms = d.as_secs_f64() * 1000.0;
+                out.latencies_ms.push(ms);
+                if let Some(at) = probe.arrival(&name, Duration::from_millis(500)) {
+                    out.delivery_ms
+                        .push(at.saturating_duration_since(t).as_secs_f64() * 1000.0);
+                }
+                if add {
+                    out.adds_ms.push(ms);
+                } else {
+                    out.removes_ms.push(ms);
+                }
+            }
+            None => out.lost += 1,
+        }
+        std::thread::sleep(CHANGE_GAP);
+    }
+    Ok(out)
+}
+
+/// A watch on EndpointSlices of our own, next to the agent's: when each slice's change
+/// arrives from the API server.
+struct WatchProbe {
+    seen: std::sync::Arc<Mutex<std::collections::HashMap<String, Instant>>>,
+    stream: TcpStream,
+}
+
+impl WatchProbe {
+    fn start(api: &FakeApi) -> Result<WatchProbe, String> {
+        let addr = api.addr();
+        let rv = api.resource_version();
+        let mut s = TcpStream::connect(addr).map_err(|e| format!("watch probe: {e}"))?;
+        s.set_nodelay(true).ok();
+        s.write_all(
+            format!(
+                "GET /apis/discovery.k8s.io/v1/endpointslices?watch=1&resourceVersion={rv} HTTP/1.1\r\nHost: {addr}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .map_err(|e| format!("watch probe: {e}"))?;
+        let seen: std::sync::Arc<Mutex<std::collections::HashMap<String, Instant>>> =
+            Default::default();
+        let (mut rd, map) = (s.try_clone().map_err(|e| e.to_string())?, seen.clone());
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 65536];
+            loop {
+                let n = match rd.read(&mut chunk) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let at = Instant::now();
+                buf.extend_from_slice(&chunk[..n]);
+                // Events are whole JSON lines; chunk-size lines in between are skipped.
+                while let Some(i) = buf.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = buf.drain(..=i).collect();
+                    if !line.starts_with(b"{") {
+                        continue;
+                    }
+                    if let Ok(ev) = serde_json::from_slice::<Value>(&line)
+                        && let Some(name) = ev["object"]["metadata"]["name"].as_str()
+                    {
+                        map.lock().unwrap().insert(name.to_string(), at);
+                    }
+                }
+            }
+        });
+        Ok(WatchProbe { seen, stream: s })
+    }
+
+    /// When the last change of slice `name` arrived (waiting up to `within`); forgets it.
+    fn arrival(&self, name: &str, within: Duration) -> Option<Instant> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(at) = self.seen.lock().unwrap().remove(name) {
+                return Some(at);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for WatchProbe {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn dist(v: &[f64]) -> Value {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    json!({
+        "n": s.len(),
+        "min_ms": s.first(),
+        "p50_ms": percentile(&s, 50.0),
+        "p90_ms": percentile(&s, 90.0),
+        "p99_ms": percentile(&s, 99.0),
+        "max_ms": s.last(),
+        "mean_ms": if s.is_empty() { f64::NAN } else { s.iter().sum::<f64>() / s.len() as f64 },
+    })
+}
+
+fn run_scale(args: &Args, scale: Scale, workdir: &Path) -> Result<Value, String> {
+    let label = scale.label();
+    eprintln!(
+        "== {label}: {} Services x {} endpoints",
+        scale.services, scale.endpoints
+    );
+    let api = FakeApi::start();
+    let t = Instant::now();
+    let mut objs = generate(scale.services, scale.endpoints);
+    objs.push(node_object());
+    api.apply_all(objs)?;
+    let load_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let kubeconfig = workdir.join(format!("kubeconfig-{label}"));
+    api.write_kubeconfig(&kubeconfig)
+        .map_err(|e| format!("{}: {e}", kubeconfig.display()))?;
+
+    // The fake API server alone: how long serving the two lists takes.
+    let mut svc_list = Vec::new();
+    let mut slice_list = Vec::new();
+    let (mut svc_bytes, mut slice_bytes, mut svc_pages, mut slice_pages) = (0, 0, 0, 0);
+    for _ in 0..3 {
+        let (ms, b, p) = time_list(api.addr(), "/api/v1/services")?;
+        svc_list.push(ms);
+        (svc_bytes, svc_pages) = (b, p);
+        let (ms, b, p) = time_list(api.addr(), "/apis/discovery.k8s.io/v1/endpointslices")?;
+        slice_list.push(ms);
+        (slice_bytes, slice_pages) = (b, p);
+    }
+    eprintln!(
+        "   fake API: loaded in {load_ms:.0} ms; lists {:.0} ms (services, {svc_pages} pages, {} KiB) + {:.0} ms (slices, {slice_pages} pages, {} KiB)",
+        median(&svc_list),
+        svc_bytes / 1024,
+        median(&slice_list),
+        slice_bytes / 1024
+    );
+
+    let mut runs = Vec::new();
+    let mut healthz = Vec::new();
+    let mut agent_sync = Vec::new();
+    let mut hwm_after_sync = Vec::new();
+    let mut change_result = None;
+    let mut final_hwm = 0;
+    for r in 0..args.runs {
+        let log = args
+            .out
+            .join("control-plane-logs")
+            .join(format!("{label}-run{}.log", r + 1));
+        let mut env = Env::new(&format!("{label}-{}", r + 1), log)?;
+        let s = full_sync(&mut env, &kubeconfig, args, scale)?;
+        eprintln!(
+            "   run {}: /healthz 200 after {:.0} ms (agent sync {} ms), VmHWM {} MiB",
+            r + 1,
+            s.healthz_ms,
+            s.json["agent_sync_elapsed_ms"],
+            s.json["vm_hwm_kib"].as_u64().unwrap_or(0) / 1024
+        );
+        healthz.push(s.healthz_ms);
+        if let Some(ms) = s.json["agent_sync_elapsed_ms"].as_f64() {
+            agent_sync.push(ms);
+        }
+        hwm_after_sync.push(s.json["vm_hwm_kib"].as_u64().unwrap_or(0) as f64);
+        let mut run = s.json;
+        if r + 1 == args.runs && args.changes > 0 {
+            // Let the post-sync housekeeping (first counters tick) pass.
+            std::thread::sleep(Duration::from_millis(1500));
+            let log_before = env.log_text().lines().count();
+            let c = changes(&env, &api, scale, args.changes)?;
+            std::thread::sleep(Duration::from_millis(100));
+            let log = env.log_text();
+            // The agent's own duration of each of those syncs ("synced ... elapsed_us").
+            let sync_us: Vec<f64> = log
+                .lines()
+                .skip(log_before)
+                .filter(|l| l.contains(" synced "))
+                .filter_map(|l| field_u64(l, "elapsed_us"))
+                .map(|us| us as f64 / 1000.0)
+                .collect();
+            final_hwm = proc_status_kib(env.pid(), "VmHWM").unwrap_or(0);
+            let mut sorted = c.latencies_ms.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            eprintln!(
+                "   {} changes: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms ({} lost); agent sync p50 {:.2} ms; API watch delivery p50 {:.2} ms",
+                c.latencies_ms.len(),
+                percentile(&sorted, 50.0),
+                percentile(&sorted, 90.0),
+                sorted.last().copied().unwrap_or(f64::NAN),
+                c.lost,
+                median(&sync_us),
+                median(&c.delivery_ms)
+            );
+            change_result = Some(json!({
+                "all": dist(&c.latencies_ms),
+                "adds": dist(&c.adds_ms),
+                "removes": dist(&c.removes_ms),
+                "lost": c.lost,
+                "samples_ms": c.latencies_ms,
+                "agent_sync_ms": dist(&sync_us),
+                "watch_delivery_ms": dist(&c.delivery_ms),
+                "vm_hwm_kib_after": final_hwm,
+            }));
+            run["vm_hwm_kib_end"] = json!(final_hwm);
+        } else {
+            final_hwm = final_hwm.max(run["vm_hwm_kib"].as_u64().unwrap_or(0));
+        }
+        env.stop_agent();
+        runs.push(run);
+        drop(env);
+    }
+    let (lo, hi) = min_max(&healthz);
+    let peak_hwm = hwm_after_sync
+        .iter()
+        .copied()
+        .fold(final_hwm as f64, f64::max) as u64;
+    Ok(json!({
+        "scale": label,
+        "services": scale.services,
+        "endpoints_per_service": scale.endpoints,
+        "fakeapi": {
+            "load_ms": load_ms,
+            "list_services_ms": median(&svc_list),
+            "list_services_bytes": svc_bytes,
+            "list_services_pages": svc_pages,
+            "list_slices_ms": median(&slice_list),
+            "list_slices_bytes": slice_bytes,
+            "list_slices_pages": slice_pages,
+        },
+        "full_sync": {
+            "healthz_ms": {"median": median(&healthz), "min": lo, "max": hi, "runs": healthz},
+            "agent_sync_elapsed_ms": {"median": median(&agent_sync), "runs": agent_sync},
+        },
+        "changes": change_result,
+        "peak_rss_kib": peak_hwm,
+        "runs": runs,
+    }))
+}
+
+fn fmt_ms(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if x.is_finite() => {
+            if x < 10.0 {
+                format!("{x:.2}")
+            } else {
+                format!("{x:.0}")
+            }
+        }
+        _ => "-".into(),
+    }
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "MISSED" }
+}
+
+fn report(machine: &Value, results: &[Value]) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "machine: Linux {}, {} CPUs ({}), {} MiB RAM\n\n",
+        machine["kernel"].as_str().unwrap_or("?"),
+        machine["nproc"],
+        machine["cpu"].as_str().unwrap_or("?"),
+        machine["mem_total_kib"].as_u64().unwrap_or(0) / 1024
+    ));
+    s.push_str(
+        "| scale | full sync to /healthz, median [min-max] ms | agent's own sync ms | change p50 / p90 / max ms | agent peak RSS MiB |\n\
+         |---|---|---|---|---|\n",
+    );
+    for r in results {
+        let fs = &r["full_sync"]["healthz_ms"];
+        let c = &r["changes"]["all"];
+        s.push_str(&format!(
+            "| {} | {} [{}-{}] | {} | {} / {} / {} | {:.1} |\n",
+            r["scale"].as_str().unwrap_or("?"),
+            fmt_ms(&fs["median"]),
+            fmt_ms(&fs["min"]),
+            fmt_ms(&fs["max"]),
+            fmt_ms(&r["full_sync"]["agent_sync_elapsed_ms"]["median"]),
+            fmt_ms(&c["p50_ms"]),
+            fmt_ms(&c["p90_ms"]),
+            fmt_ms(&c["max_ms"]),
+            r["peak_rss_kib"].as_u64().unwrap_or(0) as f64 / 1024.0
+        ));
+    }
+    s.push_str("\ntargets: full sync < 2000 ms, change p50 < 10 ms, peak RSS < 64 MiB\n");
+    for r in results {
+        let sync = r["full_sync"]["healthz_ms"]["median"]
+            .as_f64()
+            .unwrap_or(f64::INFINITY);
+        let p50 = r["changes"]["all"]["p50_ms"]
+            .as_f64()
+            .unwrap_or(f64::INFINITY);
+        let rss = r["peak_rss_kib"].as_u64().unwrap_or(u64::MAX);
+        s.push_str(&format!(
+            "{}: full sync {} ({:.0} ms, x{:.2} of target); change p50 {} ({:.2} ms); peak RSS {} ({:.1} MiB, x{:.2} of target)\n",
+            r["scale"].as_str().unwrap_or("?"),
+            verdict(sync < TARGET_FULL_SYNC.as_secs_f64() * 1000.0),
+            sync,
+            sync / (TARGET_FULL_SYNC.as_secs_f64() * 1000.0),
+            verdict(p50 < TARGET_CHANGE_P50.as_secs_f64() * 1000.0),
+            p50,
+            verdict(rss < TARGET_RSS_KIB),
+            rss as f64 / 1024.0,
+            rss as f64 / TARGET_RSS_KIB as f64
+        ));
+    }
+    s
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("ferry-bench: {e}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "ferry-bench: needs root (BPF maps, cgroups): run `sudo cargo xtask bench control-plane`"
+        );
+        return ExitCode::from(2);
+    }
+    if !bin("ferry").exists() {
+        eprintln!(
+            "ferry-bench: {} missing: run `cargo xtask build` first",
+            bin("ferry").display()
+        );
+        return ExitCode::from(2);
+    }
+    install_signal_teardown();
+    let workdir = std::env::temp_dir().join(format!("ferry-bench-{}", std::process::id()));
+    *WORKDIR.lock().unwrap() = Some(workdir.clone());
+    let scratch = WorkDir(workdir.clone());
+    let result = (|| -> Result<(Value, Vec<Value>), String> {
+        fs::create_dir_all(args.out.join("control-plane-logs"))
+            .map_err(|e| format!("{}: {e}", args.out.display()))?;
+        fs::create_dir_all(&workdir).map_err(|e| format!("{}: {e}", workdir.display()))?;
+        let machine = machine();
+        let mut results = Vec::new();
+        for scale in &args.scales {
+            results.push(run_scale(&args, *scale, &workdir)?);
+        }
+        Ok((machine, results))
+    })();
+    drop(scratch);
+    match result {
+        Ok((machine, results)) => {
+            println!("{}", report(&machine, &results));
+            let doc = json!({
+                "benchmark": "control-plane",
+                "machine": machine,
+                "revision": revision(),
+                "targets": {
+                    "full_sync_ms": TARGET_FULL_SYNC.as_millis() as u64,
+                    "change_p50_ms": TARGET_CHANGE_P50.as_millis() as u64,
+                    "peak_rss_kib": TARGET_RSS_KIB,
+                },
+                "settings": {
+                    "runs": args.runs,
+                    "changes": args.changes,
+                    "max_services": MAX_SERVICES,
+                    "max_backends": MAX_BACKENDS,
+                    "agent_log_level": args.log_level,
+                },
+                "results": results,
+            });
+            let path = args.out.join("control-plane.json");
+            match fs::write(
+                &path,
+                serde_json::to_string_pretty(&doc).unwrap_or_default(),
+            ) {
+                Ok(()) => {
+                    println!("results: {}", path.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("ferry-bench: writing {}: {e}", path.display());
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("ferry-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
