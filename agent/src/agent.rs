@@ -156,7 +156,19 @@ impl Syncer {
                 p.update(&batch, self.capacity)
             }
             None => match self.full_plan() {
-                Ok(v) => v,
+                Ok((plan, errors, fresh)) => {
+                    if fresh {
+                        let p = self.programmed.as_ref().expect("planned");
+                        let report = self.maps.fill(&p.content);
+                        self.status.lock().expect("status lock").map_write_failures_total += report.failures.len() as u64;
+                        if !report.failures.is_empty() {
+                            self.needs_retry = true;
+                            self.programmed = None;
+                            return;
+                        }
+                    }
+                    (plan, errors)
+                }
                 Err(e) => {
                     error!("{e}");
                     self.needs_retry = true;
@@ -203,8 +215,10 @@ impl Syncer {
     }
 
     /// Plans every ServicePort against what the kernel holds (first sync, recovery).
-    fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>), aya::maps::MapError> {
+    /// The third value says the maps were empty: the caller fills them from the content.
+    fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>, bool), aya::maps::MapError> {
         let current = self.maps.read()?;
+        let fresh = current == dataplane::MapContent::default();
         self.engine.recompute(&Dirty { all: true, ..Default::default() });
         self.plan_errors.clear();
         // Lend the engine's desired state to the planner instead of copying it.
@@ -212,7 +226,7 @@ impl Syncer {
         let (programmed, plan, errors) = Programmed::full(&desired, &current, self.capacity);
         self.engine.restore_desired(desired.services);
         self.programmed = Some(programmed);
-        Ok((plan, errors))
+        Ok((plan, errors, fresh))
     }
 
     /// Logs each problem and skip once (not on every sync), so the log stays readable.

@@ -126,6 +126,41 @@ impl KernelMaps {
             .collect()
     }
 
+    /// Writes `content` into maps that hold nothing yet (a fresh install): the same order
+    /// as a plan (backends, members, slots, then each frontend's slot 0), without building
+    /// one, which for 10,000 Services would copy every entry once more.
+    pub fn fill(&mut self, content: &MapContent) -> ApplyReport {
+        let mut r = ApplyReport::default();
+        let fail = |r: &mut ApplyReport, what: String| r.failures.push(what);
+        for (id, b) in &content.backends {
+            match self.backends.insert(id, b, 0) {
+                Ok(()) => r.writes += 1,
+                Err(e) => fail(&mut r, format!("backend {id}: {e}")),
+            }
+        }
+        for m in &content.members {
+            match self.members.insert(m, 1, 0) {
+                Ok(()) => r.writes += 1,
+                Err(e) => fail(&mut r, format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id)),
+            }
+        }
+        for pass_slot0 in [false, true] {
+            for (k, v) in content.services.iter().filter(|(k, _)| (k.slot == 0) == pass_slot0) {
+                match self.services.insert(k, v, 0) {
+                    Ok(()) => r.writes += 1,
+                    Err(e) => fail(
+                        &mut r,
+                        format!("{}/{} slot {}: {e}", fmt_endpoint(&k.addr, u16::from_be(k.port)), proto_name(k.proto), k.slot),
+                    ),
+                }
+            }
+        }
+        for f in &r.failures {
+            warn!("map write failed: {f}");
+        }
+        r
+    }
+
     /// Applies a plan in its order. A frontend whose slot or backend write failed keeps
     /// its previous slot 0, so the kernel never publishes a count it cannot serve.
     /// Whole frontends that go away are removed first: nothing new refers to them, and in

@@ -37,7 +37,8 @@ struct Touched {
 }
 
 impl Programmed {
-    /// Plans the whole desired state against `current` (what the kernel holds now).
+    /// Plans the whole desired state against `current` (what the kernel holds now). When
+    /// `current` is empty the plan is empty too: write `content` with `KernelMaps::fill`.
     pub fn full(
         desired: &DesiredState,
         current: &MapContent,
@@ -45,7 +46,8 @@ impl Programmed {
     ) -> (Programmed, Plan, Vec<PlanError>) {
         let mut ids = Ids::adopt(current);
         let (content, errors, owners) = desired_content_owned(desired, &mut ids, current, cap);
-        let plan = diff(current, &content);
+        // Empty maps are filled straight from `content` (KernelMaps::fill): no plan.
+        let plan = if current == &MapContent::default() { Plan::default() } else { diff(current, &content) };
         let mut backend_refs: HashMap<u32, u32> = HashMap::new();
         for o in owners.values() {
             for b in &o.backends {
@@ -366,8 +368,8 @@ mod tests {
     #[test]
     fn unchanged_state_plans_nothing_and_full_adoption_writes_nothing() {
         let state = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1"])]));
-        let (p, plan, _) = Programmed::full(&state, &MapContent::default(), Capacity::default());
-        let kernel = apply(&MapContent::default(), &plan);
+        let (p, _, _) = Programmed::full(&state, &MapContent::default(), Capacity::default());
+        let kernel = p.content.clone(); // what KernelMaps::fill writes
         // A restarted agent plans the same state against what is pinned: no writes.
         let (_, again, _) = Programmed::full(&state, &kernel, Capacity::default());
         assert!(again.is_empty(), "restart must write nothing: {again:?}");
@@ -382,7 +384,8 @@ mod tests {
         let one = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
         let (mut p, plan, errors) = Programmed::full(&one, &MapContent::default(), cap);
         assert!(errors.is_empty());
-        let kernel = apply(&MapContent::default(), &plan);
+        assert!(plan.is_empty(), "empty maps are filled from the content, not through a plan");
+        let kernel = p.content.clone(); // what KernelMaps::fill writes
         let four = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"])]));
         let (plan, errors) = p.update(&changes(&one, &four), cap);
         assert!(matches!(errors.as_slice(), [PlanError::MapFull { flag: "max-services", .. }]), "{errors:?}");
