@@ -57,7 +57,11 @@ pub enum AgentError {
     #[error("{0}")]
     Source(String),
     #[error("{flag} {addr}: cannot listen: {source}")]
-    Listen { flag: &'static str, addr: SocketAddr, source: std::io::Error },
+    Listen {
+        flag: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("reading the pinned maps: {0}")]
     ReadMaps(#[from] aya::maps::MapError),
     #[error("detecting node addresses: {0}")]
@@ -106,8 +110,13 @@ impl Syncer {
         for id in &plan.backend_deletes {
             self.udp_backends.remove(id);
         }
-        for (id, b) in plan.backend_upserts.iter().filter(|(_, b)| b.proto == ferry_common::lb::PROTO_UDP) {
-            self.udp_backends.insert(*id, (dataplane::plan::ip_of(&b.addr), u16::from_be(b.port)));
+        for (id, b) in plan
+            .backend_upserts
+            .iter()
+            .filter(|(_, b)| b.proto == ferry_common::lb::PROTO_UDP)
+        {
+            self.udp_backends
+                .insert(*id, (dataplane::plan::ip_of(&b.addr), u16::from_be(b.port)));
         }
         if lost.is_empty() {
             return;
@@ -120,12 +129,14 @@ impl Syncer {
                 Ok(r) => r,
                 Err(e) => return warn!("connected UDP recovery: {e}"),
             };
-            let via_lost_service = |cookie: u64, ip: IpAddr, port: u16| {
-                matches!(revnat.lookup(cookie, ip, port), Ok(Some(v)) if lost.contains(&(v.svc_id, ip.to_canonical(), port)))
-            };
+            let via_lost_service = |cookie: u64, ip: IpAddr, port: u16| matches!(revnat.lookup(cookie, ip, port), Ok(Some(v)) if lost.contains(&(v.svc_id, ip.to_canonical(), port)));
             match dataplane::sockdiag::destroy_udp_sockets_to(&backends, &via_lost_service) {
                 Ok(r) if !r.destroyed.is_empty() => {
-                    info!(destroyed = r.destroyed.len(), namespaces = r.namespaces, "reset connected UDP sockets whose backend left their Service")
+                    info!(
+                        destroyed = r.destroyed.len(),
+                        namespaces = r.namespaces,
+                        "reset connected UDP sockets whose backend left their Service"
+                    )
                 }
                 Ok(_) => {}
                 Err(e) => warn!("connected UDP recovery: {e}"),
@@ -140,16 +151,31 @@ impl Syncer {
         // Operability: which Services this sync covers, for network programming latency.
         let full = dirty.all || self.programmed.is_none();
         // A full plan recomputes everything itself.
-        let changes = if self.programmed.is_some() { self.engine.recompute(dirty) } else { Vec::new() };
+        let changes = if self.programmed.is_some() {
+            self.engine.recompute(dirty)
+        } else {
+            Vec::new()
+        };
         let (plan, errors) = match self.programmed.as_mut() {
             Some(p) => {
-                let mut ids: Vec<ServicePortId> = changes.iter().map(|(id, _)| id.clone()).collect();
-                ids.extend(self.plan_errors.keys().filter(|id| !p.is_programmed(id)).cloned());
+                let mut ids: Vec<ServicePortId> =
+                    changes.iter().map(|(id, _)| id.clone()).collect();
+                ids.extend(
+                    self.plan_errors
+                        .keys()
+                        .filter(|id| !p.is_programmed(id))
+                        .cloned(),
+                );
                 ids.sort();
                 ids.dedup();
                 let desired = self.engine.desired();
-                let batch: Vec<(ServicePortId, Option<&_>)> =
-                    ids.into_iter().map(|id| { let s = desired.get(&id); (id, s) }).collect();
+                let batch: Vec<(ServicePortId, Option<&_>)> = ids
+                    .into_iter()
+                    .map(|id| {
+                        let s = desired.get(&id);
+                        (id, s)
+                    })
+                    .collect();
                 for (id, _) in &batch {
                     self.plan_errors.remove(id);
                 }
@@ -160,7 +186,10 @@ impl Syncer {
                     if fresh {
                         let p = self.programmed.as_ref().expect("planned");
                         let report = self.maps.fill(&p.content);
-                        self.status.lock().expect("status lock").map_write_failures_total += report.failures.len() as u64;
+                        self.status
+                            .lock()
+                            .expect("status lock")
+                            .map_write_failures_total += report.failures.len() as u64;
                         if !report.failures.is_empty() {
                             self.needs_retry = true;
                             self.programmed = None;
@@ -178,13 +207,18 @@ impl Syncer {
         };
         for e in errors {
             error!("{e}");
-            let (PlanError::MapFull { service, .. } | PlanError::TooManyEndpoints { service, .. }) = &e;
+            let (PlanError::MapFull { service, .. } | PlanError::TooManyEndpoints { service, .. }) =
+                &e;
             self.plan_errors.insert(service.clone(), e.clone());
         }
         let report = self.maps.apply(&plan);
         if full {
             // After a full plan the index starts over from what is programmed.
-            self.udp_backends = self.programmed.iter().flat_map(|p| udp_backends_of(&p.content)).collect();
+            self.udp_backends = self
+                .programmed
+                .iter()
+                .flat_map(|p| udp_backends_of(&p.content))
+                .collect();
         } else {
             self.recover_udp(&plan);
         }
@@ -194,10 +228,17 @@ impl Syncer {
             let mut st = self.status.lock().expect("status lock");
             st.map_write_failures_total += report.failures.len() as u64;
             if report.failures.is_empty() {
-                let synced = if full { self.engine.store.service_keys() } else { dirty.services.clone() };
+                let synced = if full {
+                    self.engine.store.service_keys()
+                } else {
+                    dirty.services.clone()
+                };
                 let triggers = self.engine.store.trigger_times(&synced);
                 let since = *st.started_at.get_or_insert(wall_started);
-                for latency in st.triggers.observe(&synced, triggers, since, SystemTime::now()) {
+                for latency in st
+                    .triggers
+                    .observe(&synced, triggers, since, SystemTime::now())
+                {
                     st.network_programming.observe(latency);
                 }
                 if full {
@@ -219,10 +260,16 @@ impl Syncer {
     fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>, bool), aya::maps::MapError> {
         let current = self.maps.read()?;
         let fresh = current == dataplane::MapContent::default();
-        self.engine.recompute(&Dirty { all: true, ..Default::default() });
+        self.engine.recompute(&Dirty {
+            all: true,
+            ..Default::default()
+        });
         self.plan_errors.clear();
         // Lend the engine's desired state to the planner instead of copying it.
-        let desired = DesiredState { services: self.engine.take_desired(), ..Default::default() };
+        let desired = DesiredState {
+            services: self.engine.take_desired(),
+            ..Default::default()
+        };
         let (programmed, plan, errors) = Programmed::full(&desired, &current, self.capacity);
         self.engine.restore_desired(desired.services);
         self.programmed = Some(programmed);
@@ -236,7 +283,9 @@ impl Syncer {
         for p in &problems {
             let line = p.to_string();
             if !self.logged.contains(&line) {
-                error!("skipping invalid object: {line}; fix the object, the others are programmed");
+                error!(
+                    "skipping invalid object: {line}; fix the object, the others are programmed"
+                );
             }
             now_seen.insert(line);
         }
@@ -257,7 +306,9 @@ impl Syncer {
     }
 
     fn publish(&mut self, elapsed: Duration, plan: &Plan, writes: usize) {
-        let Some(p) = self.programmed.as_ref() else { return };
+        let Some(p) = self.programmed.as_ref() else {
+            return;
+        };
         let mut s = self.status.lock().expect("status lock");
         let first = !s.synced;
         s.synced = true;
@@ -269,8 +320,14 @@ impl Syncer {
         s.services_programmed = p.programmed_ports();
         s.frontends_programmed = p.frontend_count();
         s.backends_programmed = p.content.backends.len();
-        s.map_entries.insert(SERVICES_MAP, (p.content.services.len(), self.capacity.services));
-        s.map_entries.insert(BACKENDS_MAP, (p.content.backends.len(), self.capacity.backends));
+        s.map_entries.insert(
+            SERVICES_MAP,
+            (p.content.services.len(), self.capacity.services),
+        );
+        s.map_entries.insert(
+            BACKENDS_MAP,
+            (p.content.backends.len(), self.capacity.backends),
+        );
         s.plan_errors = self.plan_errors.len();
         s.node_ineligible = !node_eligible(self.engine.store.node());
         if first {
@@ -309,13 +366,18 @@ impl Syncer {
         // These walk every programmed Service: at most every 10 s, so a busy cluster
         // does not stall the sync loop once a second.
         if st.service_names_at == Some(st.syncs_total)
-            || st.service_names_refreshed.is_some_and(|t| t.elapsed() < Duration::from_secs(10))
+            || st
+                .service_names_refreshed
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
         {
             return;
         }
         st.service_names_refreshed = Some(Instant::now());
         st.service_names_at = Some(st.syncs_total);
-        st.service_names = p.owners().map(|(id, o)| (o.svc_id, id.to_string())).collect();
+        st.service_names = p
+            .owners()
+            .map(|(id, o)| (o.svc_id, id.to_string()))
+            .collect();
         st.no_local_endpoints_internal = p
             .content
             .services
@@ -357,7 +419,9 @@ async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
         return;
     };
     loop {
-        let Ok(mut guard) = fd.readable_mut().await else { return };
+        let Ok(mut guard) = fd.readable_mut().await else {
+            return;
+        };
         guard.get_inner_mut().flush();
         guard.clear_ready();
     }
@@ -368,19 +432,30 @@ async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
 fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status: SharedStatus) {
     let mut source = ManifestsSource::new(dir);
     let first = source.rescan();
-    status.lock().expect("status lock").source_errors = source::manifests::failing_files(&first.errors);
+    status.lock().expect("status lock").source_errors =
+        source::manifests::failing_files(&first.errors);
     let objects = Arc::new(source.objects());
     let send_all = |tx: &mpsc::UnboundedSender<SourceEvent>, o: &source::Objects| {
         let _ = tx.send(SourceEvent::ServicesReset(o.services_vec()));
-        let slices = o.slices.values().filter_map(source::SliceLite::from_k8s).collect();
+        let slices = o
+            .slices
+            .values()
+            .filter_map(source::SliceLite::from_k8s)
+            .collect();
         let _ = tx.send(SourceEvent::SlicesReset(slices));
     };
     send_all(&tx, &objects);
     let _ = tx.send(SourceEvent::Synced);
     let (wtx, mut wrx) = watch::channel(objects);
-    tokio::spawn(source::manifests::watch_with(source, MANIFEST_POLL, wtx, move |scan| {
-        status.lock().expect("status lock").source_errors = source::manifests::failing_files(&scan.errors);
-    }));
+    tokio::spawn(source::manifests::watch_with(
+        source,
+        MANIFEST_POLL,
+        wtx,
+        move |scan| {
+            status.lock().expect("status lock").source_errors =
+                source::manifests::failing_files(&scan.errors);
+        },
+    ));
     tokio::spawn(async move {
         while wrx.changed().await.is_ok() {
             let o = wrx.borrow_and_update().clone();
@@ -394,10 +469,18 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let status: SharedStatus = Arc::new(Mutex::new(Status::default()));
     let health = http::bind(cfg.health_addr)
         .await
-        .map_err(|source| AgentError::Listen { flag: "--health-addr", addr: cfg.health_addr, source })?;
+        .map_err(|source| AgentError::Listen {
+            flag: "--health-addr",
+            addr: cfg.health_addr,
+            source,
+        })?;
     let metrics = http::bind(cfg.metrics_addr)
         .await
-        .map_err(|source| AgentError::Listen { flag: "--metrics-addr", addr: cfg.metrics_addr, source })?;
+        .map_err(|source| AgentError::Listen {
+            flag: "--metrics-addr",
+            addr: cfg.metrics_addr,
+            source,
+        })?;
     tokio::spawn(http::serve(health, Endpoints::Health, status.clone()));
     tokio::spawn(http::serve(metrics, Endpoints::Metrics, status.clone()));
 
@@ -441,7 +524,11 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         }
         (SourceConfig::Kube { .. }, None) => unreachable!("client built above"),
     }
-    let node = NodeInfo { name: cfg.node_name.clone(), addresses: node_addresses(&cfg)?, zone: None };
+    let node = NodeInfo {
+        name: cfg.node_name.clone(),
+        addresses: node_addresses(&cfg)?,
+        zone: None,
+    };
     info!(node = %node.name, addresses = ?node.addresses, "node");
     let mut syncer = Syncer {
         maps: loaded.maps,
@@ -456,7 +543,8 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         bpffs: cfg.load.bpffs.clone(),
     };
 
-    let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut sigterm =
+        tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);
     let mut counter_tick = tokio::time::interval(Duration::from_secs(1));
     let mut retry_tick = tokio::time::interval(RETRY_PERIOD);
@@ -531,16 +619,30 @@ fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced:
                 if *up {
                     info!("source connected: watching for changes");
                 } else {
-                    warn!("source lost its connection: the programmed state stays in the kernel until it is back");
+                    warn!(
+                        "source lost its connection: the programmed state stays in the kernel until it is back"
+                    );
                 }
             }
             s.source_connected = *up;
         }
-        SourceEvent::ServicesReset(_) | SourceEvent::ServiceApplied(_) | SourceEvent::ServiceDeleted(_) => {
-            syncer.status.lock().expect("status lock").service_changes_total += 1;
+        SourceEvent::ServicesReset(_)
+        | SourceEvent::ServiceApplied(_)
+        | SourceEvent::ServiceDeleted(_) => {
+            syncer
+                .status
+                .lock()
+                .expect("status lock")
+                .service_changes_total += 1;
         }
-        SourceEvent::SlicesReset(_) | SourceEvent::SliceApplied(_) | SourceEvent::SliceDeleted(_) => {
-            syncer.status.lock().expect("status lock").endpoint_changes_total += 1;
+        SourceEvent::SlicesReset(_)
+        | SourceEvent::SliceApplied(_)
+        | SourceEvent::SliceDeleted(_) => {
+            syncer
+                .status
+                .lock()
+                .expect("status lock")
+                .endpoint_changes_total += 1;
         }
         SourceEvent::Node(_) => {}
     }
@@ -549,6 +651,7 @@ fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced:
     if node_event {
         // nodeEligible (taint, deletionTimestamp) changes without a zone change dirty no
         // Service, so no sync follows to publish it: /healthz must see it now.
-        syncer.status.lock().expect("status lock").node_ineligible = !node_eligible(syncer.engine.store.node());
+        syncer.status.lock().expect("status lock").node_ineligible =
+            !node_eligible(syncer.engine.store.node());
     }
 }

@@ -13,9 +13,12 @@ use k8s_openapi::api::{
 };
 
 use crate::{
-    source::{SliceLite, compact::compact_service},
-    model::{self, FrontendKind, NodeInfo, Problem, Protocol, Scope, ServicePortId, ServicePortState, Skip},
+    model::{
+        self, FrontendKind, NodeInfo, Problem, Protocol, Scope, ServicePortId, ServicePortState,
+        Skip,
+    },
     source::{ObjectKey, SourceEvent},
+    source::{SliceLite, compact::compact_service},
 };
 
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -43,7 +46,10 @@ fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> 
 /// The Service an EndpointSlice belongs to (same namespace, `kubernetes.io/service-name`).
 fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
     let name = slice.label(SERVICE_NAME_LABEL)?;
-    Some(ObjectKey::new(slice.namespace.to_string(), name.to_string()))
+    Some(ObjectKey::new(
+        slice.namespace.to_string(),
+        name.to_string(),
+    ))
 }
 
 #[derive(Debug, Default)]
@@ -132,7 +138,10 @@ impl Store {
         self.remove_slice(&k, dirty);
         match owner_of(&slice) {
             Some(owner) => {
-                self.slices_by_service.entry(owner.clone()).or_default().insert(k.clone());
+                self.slices_by_service
+                    .entry(owner.clone())
+                    .or_default()
+                    .insert(k.clone());
                 dirty.services.insert(owner);
             }
             None => {
@@ -143,7 +152,9 @@ impl Store {
     }
 
     fn remove_slice(&mut self, k: &ObjectKey, dirty: &mut Dirty) {
-        let Some(old) = self.slices.remove(k) else { return };
+        let Some(old) = self.slices.remove(k) else {
+            return;
+        };
         self.orphans.remove(k);
         if let Some(owner) = owner_of(&old) {
             if let Some(set) = self.slices_by_service.get_mut(&owner) {
@@ -158,7 +169,12 @@ impl Store {
 
     fn reset_slices(&mut self, list: Vec<SliceLite>, dirty: &mut Dirty) {
         let next: HashMap<ObjectKey, SliceLite> = list.into_iter().map(|s| (s.key(), s)).collect();
-        let gone: Vec<ObjectKey> = self.slices.keys().filter(|k| !next.contains_key(*k)).cloned().collect();
+        let gone: Vec<ObjectKey> = self
+            .slices
+            .keys()
+            .filter(|k| !next.contains_key(*k))
+            .cloned()
+            .collect();
         for k in gone {
             self.remove_slice(&k, dirty);
         }
@@ -186,7 +202,9 @@ impl Store {
             .map(|k| Problem {
                 object: format!("EndpointSlice {k}"),
                 field: "metadata.labels".into(),
-                message: format!("no {SERVICE_NAME_LABEL} label, so it belongs to no Service; it is ignored"),
+                message: format!(
+                    "no {SERVICE_NAME_LABEL} label, so it belongs to no Service; it is ignored"
+                ),
             })
             .collect();
         out.sort();
@@ -214,7 +232,11 @@ impl Store {
 
     /// Every Service the store holds and every Service that still has slices.
     pub fn service_keys(&self) -> BTreeSet<ObjectKey> {
-        self.services.keys().chain(self.slices_by_service.keys()).cloned().collect()
+        self.services
+            .keys()
+            .chain(self.slices_by_service.keys())
+            .cloned()
+            .collect()
     }
 }
 
@@ -259,7 +281,10 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(node: NodeInfo) -> Engine {
-        Engine { node, ..Default::default() }
+        Engine {
+            node,
+            ..Default::default()
+        }
     }
 
     pub fn desired(&self) -> &BTreeMap<ServicePortId, ServicePortState> {
@@ -291,7 +316,12 @@ impl Engine {
     pub fn recompute(&mut self, dirty: &Dirty) -> Vec<(ServicePortId, Option<ServicePortState>)> {
         self.node.zone = zone_of(self.store.node());
         let keys: BTreeSet<ObjectKey> = if dirty.all {
-            self.store.services.keys().chain(self.ports_of.keys()).cloned().collect()
+            self.store
+                .services
+                .keys()
+                .chain(self.ports_of.keys())
+                .cloned()
+                .collect()
         } else {
             dirty.services.clone()
         };
@@ -314,7 +344,11 @@ impl Engine {
         changes: &mut Vec<(ServicePortId, Option<ServicePortState>)>,
     ) -> BTreeSet<ObjectKey> {
         let mut state = match self.store.services.get(k) {
-            Some(svc) => model::compute(std::slice::from_ref(&**svc), &self.store.slices_of(k), &self.node),
+            Some(svc) => model::compute(
+                std::slice::from_ref(&**svc),
+                &self.store.slices_of(k),
+                &self.node,
+            ),
             None => model::DesiredState::default(),
         };
         let old_ports = self.ports_of.remove(k).unwrap_or_default();
@@ -344,11 +378,17 @@ impl Engine {
         if state.problems.is_empty() && state.skips.is_empty() {
             self.problems.remove(k);
         } else {
-            self.problems.insert(k.clone(), (state.problems, state.skips));
+            self.problems
+                .insert(k.clone(), (state.problems, state.skips));
         }
         // Frontends this Service still holds are not free after all.
         released.retain(|fid| !self.owner.contains_key(fid));
-        released.iter().filter_map(|fid| self.losers.remove(fid)).flatten().filter(|l| l != k).collect()
+        released
+            .iter()
+            .filter_map(|fid| self.losers.remove(fid))
+            .flatten()
+            .filter(|l| l != k)
+            .collect()
     }
 
     /// Lets go of a ServicePort's frontends; returns them.
@@ -366,7 +406,12 @@ impl Engine {
         out
     }
 
-    fn claim_frontends(&mut self, k: &ObjectKey, sp: &mut ServicePortState, problems: &mut Vec<Problem>) {
+    fn claim_frontends(
+        &mut self,
+        k: &ObjectKey,
+        sp: &mut ServicePortState,
+        problems: &mut Vec<Problem>,
+    ) {
         let id = sp.id.clone();
         sp.frontends.retain(|f| {
             let fid = (f.addr, f.port, id.protocol, f.scope);
@@ -418,7 +463,10 @@ mod tests {
     }
 
     fn slice_k8s(name: &str, svc: &str, ips: &[&str]) -> EndpointSlice {
-        let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}]}}")).collect();
+        let eps: Vec<String> = ips
+            .iter()
+            .map(|ip| format!("{{addresses: [{ip}]}}"))
+            .collect();
         serde_yaml::from_str(&format!(
             "metadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: {svc}}}}}\n\
              addressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{}]",
@@ -432,10 +480,17 @@ mod tests {
     }
 
     fn engine() -> Engine {
-        Engine::new(NodeInfo { name: "node1".into(), addresses: vec![], zone: None })
+        Engine::new(NodeInfo {
+            name: "node1".into(),
+            addresses: vec![],
+            zone: None,
+        })
     }
 
-    fn feed(e: &mut Engine, events: Vec<SourceEvent>) -> Vec<(ServicePortId, Option<ServicePortState>)> {
+    fn feed(
+        e: &mut Engine,
+        events: Vec<SourceEvent>,
+    ) -> Vec<(ServicePortId, Option<ServicePortState>)> {
         let mut dirty = Dirty::default();
         for ev in events {
             e.store.apply(ev, &mut dirty);
@@ -444,7 +499,10 @@ mod tests {
     }
 
     fn names(changes: &[(ServicePortId, Option<ServicePortState>)]) -> Vec<String> {
-        changes.iter().map(|(id, s)| format!("{}{}", id.name, if s.is_some() { "" } else { "-" })).collect()
+        changes
+            .iter()
+            .map(|(id, s)| format!("{}{}", id.name, if s.is_some() { "" } else { "-" }))
+            .collect()
     }
 
     #[test]
@@ -453,21 +511,51 @@ mod tests {
         let first = feed(
             &mut e,
             vec![
-                SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ""), svc("b", "10.96.0.2", "")]),
-                SourceEvent::SlicesReset(vec![slice("a-1", "a", &["10.0.0.1"]), slice("b-1", "b", &["10.0.0.2"])]),
+                SourceEvent::ServicesReset(vec![
+                    svc("a", "10.96.0.1", ""),
+                    svc("b", "10.96.0.2", ""),
+                ]),
+                SourceEvent::SlicesReset(vec![
+                    slice("a-1", "a", &["10.0.0.1"]),
+                    slice("b-1", "b", &["10.0.0.2"]),
+                ]),
             ],
         );
         assert_eq!(names(&first), ["a", "b"]);
-        let changed = feed(&mut e, vec![SourceEvent::SliceApplied(slice("a-1", "a", &["10.0.0.1", "10.0.0.3"]))]);
-        assert_eq!(names(&changed), ["a"], "a slice change recomputes its Service only");
-        let same = feed(&mut e, vec![SourceEvent::SliceApplied(slice("a-1", "a", &["10.0.0.1", "10.0.0.3"]))]);
-        assert!(same.is_empty(), "an identical object changes nothing: {same:?}");
+        let changed = feed(
+            &mut e,
+            vec![SourceEvent::SliceApplied(slice(
+                "a-1",
+                "a",
+                &["10.0.0.1", "10.0.0.3"],
+            ))],
+        );
+        assert_eq!(
+            names(&changed),
+            ["a"],
+            "a slice change recomputes its Service only"
+        );
+        let same = feed(
+            &mut e,
+            vec![SourceEvent::SliceApplied(slice(
+                "a-1",
+                "a",
+                &["10.0.0.1", "10.0.0.3"],
+            ))],
+        );
+        assert!(
+            same.is_empty(),
+            "an identical object changes nothing: {same:?}"
+        );
     }
 
     #[test]
     fn a_burst_is_one_change_per_service() {
         let mut e = engine();
-        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", "")])]);
+        feed(
+            &mut e,
+            vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", "")])],
+        );
         let burst = feed(
             &mut e,
             vec![
@@ -484,8 +572,17 @@ mod tests {
     #[test]
     fn relist_removes_what_disappeared() {
         let mut e = engine();
-        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ""), svc("b", "10.96.0.2", "")])]);
-        let relist = feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("b", "10.96.0.2", "")])]);
+        feed(
+            &mut e,
+            vec![SourceEvent::ServicesReset(vec![
+                svc("a", "10.96.0.1", ""),
+                svc("b", "10.96.0.2", ""),
+            ])],
+        );
+        let relist = feed(
+            &mut e,
+            vec![SourceEvent::ServicesReset(vec![svc("b", "10.96.0.2", "")])],
+        );
         assert_eq!(names(&relist), ["a-"], "a was deleted during the outage");
         let deleted = feed(&mut e, vec![SourceEvent::ServiceDeleted(key("b"))]);
         assert_eq!(names(&deleted), ["b-"]);
@@ -495,14 +592,38 @@ mod tests {
     fn a_frontend_freed_by_its_owner_goes_to_the_waiting_service() {
         let mut e = engine();
         let ext = ", externalIPs: [203.0.113.7]";
-        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ext)])]);
-        feed(&mut e, vec![SourceEvent::ServiceApplied(svc("b", "10.96.0.2", ext))]);
+        feed(
+            &mut e,
+            vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ext)])],
+        );
+        feed(
+            &mut e,
+            vec![SourceEvent::ServiceApplied(svc("b", "10.96.0.2", ext))],
+        );
         let (problems, _) = e.report();
-        assert!(problems.iter().any(|p| p.object == "Service default/b" && p.message.contains("already served")), "{problems:?}");
-        let b_id = e.desired().keys().find(|id| id.name == "b").unwrap().clone();
-        assert_eq!(e.desired()[&b_id].frontends.len(), 1, "b keeps only its ClusterIP while a holds the externalIP");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.object == "Service default/b" && p.message.contains("already served")),
+            "{problems:?}"
+        );
+        let b_id = e
+            .desired()
+            .keys()
+            .find(|id| id.name == "b")
+            .unwrap()
+            .clone();
+        assert_eq!(
+            e.desired()[&b_id].frontends.len(),
+            1,
+            "b keeps only its ClusterIP while a holds the externalIP"
+        );
         let changes = feed(&mut e, vec![SourceEvent::ServiceDeleted(key("a"))]);
-        assert_eq!(names(&changes), ["a-", "b"], "b is recomputed when a lets go");
+        assert_eq!(
+            names(&changes),
+            ["a-", "b"],
+            "b is recomputed when a lets go"
+        );
         assert_eq!(e.desired()[&b_id].frontends.len(), 2);
         assert!(e.report().0.is_empty(), "the conflict is resolved");
     }
@@ -510,10 +631,20 @@ mod tests {
     #[test]
     fn zone_change_recomputes_everything_and_node_eligibility() {
         let mut e = engine();
-        feed(&mut e, vec![SourceEvent::ServicesReset(vec![svc("a", "10.96.0.1", ""), svc("b", "10.96.0.2", "")])]);
-        let node: Node = serde_yaml::from_str("metadata: {name: node1, labels: {topology.kubernetes.io/zone: z1}}").unwrap();
+        feed(
+            &mut e,
+            vec![SourceEvent::ServicesReset(vec![
+                svc("a", "10.96.0.1", ""),
+                svc("b", "10.96.0.2", ""),
+            ])],
+        );
+        let node: Node = serde_yaml::from_str(
+            "metadata: {name: node1, labels: {topology.kubernetes.io/zone: z1}}",
+        )
+        .unwrap();
         let mut dirty = Dirty::default();
-        e.store.apply(SourceEvent::Node(Some(Box::new(node.clone()))), &mut dirty);
+        e.store
+            .apply(SourceEvent::Node(Some(Box::new(node.clone()))), &mut dirty);
         assert!(dirty.all, "a new zone can change every Service's topology");
         e.recompute(&dirty);
         assert_eq!(e.node.zone.as_deref(), Some("z1"));
@@ -538,8 +669,15 @@ mod tests {
             e.store.trigger_times(&[key("a")]),
             vec![(key("a"), key("a-1"), "2024-05-01T12:00:00Z".to_string())]
         );
-        assert_eq!(e.store.trigger_times(&[key("a"), key("b"), key("c")]).len(), 2);
-        assert_eq!(e.store.service_keys(), [key("a"), key("b")].into(), "Services known by their slices too");
+        assert_eq!(
+            e.store.trigger_times(&[key("a"), key("b"), key("c")]).len(),
+            2
+        );
+        assert_eq!(
+            e.store.service_keys(),
+            [key("a"), key("b")].into(),
+            "Services known by their slices too"
+        );
     }
 
     #[test]

@@ -147,7 +147,12 @@ fn main() -> ExitCode {
         Cmd::Agent(args) => run_agent(args),
         Cmd::List { bpffs, output } => run_list(&bpffs, output),
         Cmd::Cleanup { bpffs, .. } => run_cleanup(&bpffs),
-        Cmd::Explain { target, from, bpffs, output } => match run_explain(&target, from, &bpffs, output) {
+        Cmd::Explain {
+            target,
+            from,
+            bpffs,
+            output,
+        } => match run_explain(&target, from, &bpffs, output) {
             Ok(code) => return code,
             Err(e) => Err(e),
         },
@@ -184,16 +189,23 @@ fn default_cgroup() -> Result<PathBuf> {
 fn run_agent(a: AgentArgs) -> Result<()> {
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let source = match (&a.manifests, &a.kubeconfig) {
-        (Some(_), Some(_)) => return Err(usage("give exactly one of --manifests and --kubeconfig")),
+        (Some(_), Some(_)) => {
+            return Err(usage("give exactly one of --manifests and --kubeconfig"));
+        }
         (Some(dir), None) => {
             manifests::check_dir(dir).map_err(|e| usage(e.to_string()))?;
             SourceConfig::Manifests(dir.clone())
         }
         (None, Some(path)) => {
             if !path.is_file() {
-                return Err(usage(format!("--kubeconfig {}: no such file", path.display())));
+                return Err(usage(format!(
+                    "--kubeconfig {}: no such file",
+                    path.display()
+                )));
             }
-            SourceConfig::Kube { kubeconfig: Some(path.clone()) }
+            SourceConfig::Kube {
+                kubeconfig: Some(path.clone()),
+            }
         }
         (None, None) if in_cluster => SourceConfig::Kube { kubeconfig: None },
         (None, None) => {
@@ -293,8 +305,15 @@ fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
 }
 
 /// `ferry explain`: reads the live maps, the logic is `explain::explain`.
-fn run_explain(target: &str, from: Option<IpAddr>, bpffs: &std::path::Path, output: ExplainOutput) -> Result<ExitCode> {
-    let query: explain::Query = target.parse().map_err(|e: String| usage(format!("explain {target}: {e}")))?;
+fn run_explain(
+    target: &str,
+    from: Option<IpAddr>,
+    bpffs: &std::path::Path,
+    output: ExplainOutput,
+) -> Result<ExitCode> {
+    let query: explain::Query = target
+        .parse()
+        .map_err(|e: String| usage(format!("explain {target}: {e}")))?;
     let maps = open_maps(bpffs)?;
     let content = maps.read().context("reading the pinned maps")?;
     let affinity = maps.affinity_entries();
@@ -315,7 +334,11 @@ fn run_explain(target: &str, from: Option<IpAddr>, bpffs: &std::path::Path, outp
         ExplainOutput::Text => print!("{}", explain::text(&e)),
         ExplainOutput::Json => println!("{}", serde_json::to_string_pretty(&e)?),
     }
-    Ok(if e.found { ExitCode::SUCCESS } else { ExitCode::from(explain::EXIT_NOT_A_FRONTEND) })
+    Ok(if e.found {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(explain::EXIT_NOT_A_FRONTEND)
+    })
 }
 
 fn run_cleanup(bpffs: &std::path::Path) -> Result<()> {

@@ -3,7 +3,7 @@
 
 use std::{
     collections::BTreeSet,
-    ffi::CString,
+    ffi::{CString, OsStr},
     fs,
     io::{BufRead, BufReader, Read},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpStream},
@@ -319,6 +319,16 @@ impl World {
 
     /// [`World::start_agent`] with extra environment variables for the agent.
     pub fn start_agent_env(&mut self, extra: &[&str], env: &[(&str, &str)]) {
+        let manifests = self.manifests.clone();
+        self.launch_agent(
+            [OsStr::new("--manifests"), manifests.as_os_str()],
+            extra,
+            env,
+        );
+    }
+
+    /// Starts the agent with `source` flags in the node namespace; waits for `/healthz` 200.
+    fn launch_agent(&mut self, source: [&OsStr; 2], extra: &[&str], env: &[(&str, &str)]) {
         assert!(self.agent.is_none(), "agent already running");
         self.agent_runs += 1;
         let log = fs::OpenOptions::new()
@@ -328,8 +338,7 @@ impl World {
             .expect("agent log");
         let mut cmd = Command::new(bin("ferry"));
         cmd.arg("agent")
-            .arg("--manifests")
-            .arg(&self.manifests)
+            .args(source)
             .arg("--cgroup")
             .arg(&self.cgroup)
             .arg("--bpffs")
@@ -384,13 +393,20 @@ impl World {
 
     /// The same from another namespace (a pod), still inside the cgroup.
     pub fn probe_from(&self, netns: &str, mode: &str, addr: &str, count: usize) -> Vec<Outcome> {
-        Prober { netns: netns.to_string(), cgroup: self.cgroup.clone() }.probe(mode, addr, count)
+        Prober {
+            netns: netns.to_string(),
+            cgroup: self.cgroup.clone(),
+        }
+        .probe(mode, addr, count)
     }
 
     /// A probe handle that does not borrow the world (for a thread that keeps traffic
     /// running while the test restarts or upgrades the agent).
     pub fn prober(&self) -> Prober {
-        Prober { netns: self.node_ns.clone(), cgroup: self.cgroup.clone() }
+        Prober {
+            netns: self.node_ns.clone(),
+            cgroup: self.cgroup.clone(),
+        }
     }
 
     /// Runs a real client (curl, socat, ...) in the node namespace inside the cgroup.
@@ -414,7 +430,8 @@ impl World {
 
     /// Where the agent pins its maps: `<bpffs>/v<layout>/` (links stay in `<bpffs>/links`).
     pub fn maps_dir(&self) -> PathBuf {
-        let layout = std::env::var("FERRY_LAYOUT_VERSION").unwrap_or_else(|_| LAYOUT_VERSION.to_string());
+        let layout =
+            std::env::var("FERRY_LAYOUT_VERSION").unwrap_or_else(|_| LAYOUT_VERSION.to_string());
         self.bpffs.join(format!("v{layout}"))
     }
 
@@ -516,13 +533,21 @@ pub struct Prober {
 impl Prober {
     pub fn probe(&self, mode: &str, addr: &str, count: usize) -> Vec<Outcome> {
         let mut cmd = Command::new(bin("ferry-probe"));
-        cmd.args([mode, addr, &count.to_string()]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args([mode, addr, &count.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         let child = spawn_in(&self.netns, Some(&self.cgroup), &mut cmd);
         let out = child.wait_with_output().expect("probe");
-        assert!(out.status.success(), "ferry-probe {mode} {addr} failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "ferry-probe {mode} {addr} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout)
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad probe line {l:?}: {e}")))
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad probe line {l:?}: {e}"))
+            })
             .collect()
     }
 }
@@ -667,49 +692,10 @@ impl World {
     /// [`World::start_agent`] with `--kubeconfig PATH` instead of `--manifests`; waits
     /// until `/healthz` answers 200 (the first full sync of the API's objects).
     pub fn start_agent_kube(&mut self, kubeconfig: &Path, extra: &[&str]) {
-        assert!(self.agent.is_none(), "agent already running");
-        self.agent_runs += 1;
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.agent_log)
-            .expect("agent log");
-        let mut cmd = Command::new(bin("ferry"));
-        cmd.arg("agent")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .arg("--cgroup")
-            .arg(&self.cgroup)
-            .arg("--bpffs")
-            .arg(&self.bpffs)
-            .args([
-                "--node-name",
-                "node1",
-                "--health-addr",
-                "127.0.0.1:10256",
-                "--metrics-addr",
-                "127.0.0.1:10249",
-            ])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log);
-        self.agent = Some(spawn_in(&self.node_ns, None, &mut cmd));
-        let ns = self.node_ns.clone();
-        let what = "agent (--kubeconfig) /healthz 200";
-        eventually(what, Duration::from_secs(30), || {
-            if let Some(status) = self.agent.as_mut().unwrap().try_wait().unwrap() {
-                panic!(
-                    "agent exited with {status} before it was ready:\n{}",
-                    self.agent_log()
-                );
-            }
-            let (code, body) = http_get(&ns, 10256, "/healthz")?;
-            if code == 200 {
-                Ok(())
-            } else {
-                Err(format!("{code} {body}"))
-            }
-        });
+        self.launch_agent(
+            [OsStr::new("--kubeconfig"), kubeconfig.as_os_str()],
+            extra,
+            &[],
+        );
     }
 }

@@ -182,7 +182,12 @@ fn agent_with_bad_kubeconfig_exits_2() {
         &bpffs,
         &[p("--kubeconfig"), &kubeconfig, p("--cgroup"), &cg],
     ));
-    assert_exit(&out, 2, &["--kubeconfig", "no such file"], "ferry agent --kubeconfig MISSING");
+    assert_exit(
+        &out,
+        2,
+        &["--kubeconfig", "no such file"],
+        "ferry agent --kubeconfig MISSING",
+    );
     // A kubeconfig without any context cannot reach an API server.
     fs::write(&kubeconfig, "apiVersion: v1\nkind: Config\n").unwrap();
     let out = ferry(&agent_args(

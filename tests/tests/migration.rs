@@ -18,8 +18,19 @@ const VIP: &str = "10.96.0.10";
 fn web(w: &World) -> String {
     let eps: Vec<Ep> = w.pods.iter().map(|p| ep(p.v4)).collect();
     docs(&[
-        service("web", &[VIP], &[("http", 80, "TCP"), ("dns", 53, "UDP")], ""),
-        slice("web", "web-1", "IPv4", &[("http", 8080, "TCP"), ("dns", 8080, "UDP")], &eps),
+        service(
+            "web",
+            &[VIP],
+            &[("http", 80, "TCP"), ("dns", 53, "UDP")],
+            "",
+        ),
+        slice(
+            "web",
+            "web-1",
+            "IPv4",
+            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
+            &eps,
+        ),
     ])
 }
 
@@ -29,7 +40,11 @@ fn layout_change_migrates_without_a_gap() {
     w.write_manifest("web.yaml", &web(&w));
     w.start_agent_env(&[], &[("FERRY_LAYOUT_VERSION", "100")]);
     let old_dir = w.bpffs.join("v100");
-    assert!(old_dir.join("FERRY_SVC").exists(), "layout 100 pins under {}", old_dir.display());
+    assert!(
+        old_dir.join("FERRY_SVC").exists(),
+        "layout 100 pins under {}",
+        old_dir.display()
+    );
 
     let mut session = w.session(&format!("{VIP}:80"));
     let mut out = BufReader::new(session.stdout.take().unwrap());
@@ -59,19 +74,36 @@ fn layout_change_migrates_without_a_gap() {
         std::thread::sleep(Duration::from_millis(100)); // traffic with no agent at all
         w.start_agent_env(&[], &[("FERRY_LAYOUT_VERSION", "101")]);
         eventually("old layout removed", Duration::from_secs(5), || {
-            if old_dir.exists() { Err(format!("{} still there", old_dir.display())) } else { Ok(()) }
+            if old_dir.exists() {
+                Err(format!("{} still there", old_dir.display()))
+            } else {
+                Ok(())
+            }
         });
         std::thread::sleep(Duration::from_millis(200)); // traffic after the swap
         stop.store(true, Ordering::Relaxed);
         probing.join().unwrap()
     });
     let (attempts, failures) = failures;
-    assert!(attempts > 20, "the probe loop must have run through the upgrade, ran {attempts}");
-    assert!(failures.is_empty(), "{} of {attempts} connects failed during the migration: {failures:?}", failures.len());
+    assert!(
+        attempts > 20,
+        "the probe loop must have run through the upgrade, ran {attempts}"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {attempts} connects failed during the migration: {failures:?}",
+        failures.len()
+    );
 
     let log = w.agent_log();
-    assert!(log.contains("migrating after the first full sync"), "the new agent must announce the migration:\n{log}");
-    assert!(log.contains("migrated: programs swapped, old maps removed"), "{log}");
+    assert!(
+        log.contains("migrating after the first full sync"),
+        "the new agent must announce the migration:\n{log}"
+    );
+    assert!(
+        log.contains("migrated: programs swapped, old maps removed"),
+        "{log}"
+    );
     assert!(w.bpffs.join("v101/FERRY_SVC").exists(), "new layout pinned");
 
     // The established connection survived, and still reports the VIP it dialled.
@@ -104,13 +136,21 @@ fn a_mislabelled_layout_is_detected_not_misread() {
         .arg(&w.cgroup)
         .arg("--bpffs")
         .arg(&w.bpffs)
-        .args(["--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+        .args([
+            "--health-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
         .env("FERRY_LAYOUT_VERSION", "102")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "must refuse to start: {stderr}");
-    assert!(stderr.contains("layout version 100") && stderr.contains("102"), "the error names both versions: {stderr}");
+    assert!(
+        stderr.contains("layout version 100") && stderr.contains("102"),
+        "the error names both versions: {stderr}"
+    );
     // Traffic still flows through what was pinned.
     assert!(w.probe("tcp", &format!("{VIP}:80"), 3).iter().all(|o| o.ok));
 }

@@ -141,16 +141,28 @@ impl KernelMaps {
         for m in &content.members {
             match self.members.insert(m, 1, 0) {
                 Ok(()) => r.writes += 1,
-                Err(e) => fail(&mut r, format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id)),
+                Err(e) => fail(
+                    &mut r,
+                    format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id),
+                ),
             }
         }
         for pass_slot0 in [false, true] {
-            for (k, v) in content.services.iter().filter(|(k, _)| (k.slot == 0) == pass_slot0) {
+            for (k, v) in content
+                .services
+                .iter()
+                .filter(|(k, _)| (k.slot == 0) == pass_slot0)
+            {
                 match self.services.insert(k, v, 0) {
                     Ok(()) => r.writes += 1,
                     Err(e) => fail(
                         &mut r,
-                        format!("{}/{} slot {}: {e}", fmt_endpoint(&k.addr, u16::from_be(k.port)), proto_name(k.proto), k.slot),
+                        format!(
+                            "{}/{} slot {}: {e}",
+                            fmt_endpoint(&k.addr, u16::from_be(k.port)),
+                            proto_name(k.proto),
+                            k.slot
+                        ),
                     ),
                 }
             }

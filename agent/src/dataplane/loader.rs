@@ -157,7 +157,10 @@ fn links_dir(bpffs: &Path) -> PathBuf {
 /// knob that makes two builds of the same code behave like two layouts, so the
 /// migration path is exercised for real (tests, and operators before an upgrade).
 pub fn layout_version() -> u32 {
-    std::env::var("FERRY_LAYOUT_VERSION").ok().and_then(|v| v.parse().ok()).unwrap_or(LAYOUT_VERSION)
+    std::env::var("FERRY_LAYOUT_VERSION")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(LAYOUT_VERSION)
 }
 
 /// Where the maps of one layout version are pinned: `<bpffs>/v<N>/`. Links live in
@@ -173,7 +176,11 @@ pub fn other_layouts(bpffs: &Path, current: u32) -> Vec<(u32, PathBuf)> {
     if let Ok(entries) = fs::read_dir(bpffs) {
         for e in entries.flatten() {
             let name = e.file_name();
-            let Some(v) = name.to_str().and_then(|n| n.strip_prefix('v')).and_then(|n| n.parse::<u32>().ok()) else {
+            let Some(v) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix('v'))
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
                 continue;
             };
             if v != current && e.path().join(META_MAP).exists() {
@@ -279,10 +286,18 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
 
     let version = layout_version();
     let dir = maps_dir(&opts.bpffs, version);
-    fs::create_dir_all(&dir).map_err(|source| LoaderError::Io { what: "creating", path: dir.clone(), source })?;
+    fs::create_dir_all(&dir).map_err(|source| LoaderError::Io {
+        what: "creating",
+        path: dir.clone(),
+        source,
+    })?;
     let adopted = match pinned_layout(&dir)? {
         Some(found) if found != version => {
-            return Err(LoaderError::LayoutMismatch { path: dir.clone(), found, expected: version });
+            return Err(LoaderError::LayoutMismatch {
+                path: dir.clone(),
+                found,
+                expected: version,
+            });
         }
         Some(_) => true,
         None => false,
@@ -314,25 +329,47 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         .map_max_entries(AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries)
         // One counter per ServicePort with traffic: at most one per frontend entry.
-        .map_max_entries(ferry_common::metrics::SVC_CONNS_MAP, opts.capacity.services * HEADROOM);
+        .map_max_entries(
+            ferry_common::metrics::SVC_CONNS_MAP,
+            opts.capacity.services * HEADROOM,
+        );
     let mut ebpf = loader.load(OBJECT)?;
 
     for (name, old) in &shared {
         let pin = dir.join(name);
         if let Some(map) = ebpf.map(name) {
-            map.pin(&pin).map_err(|source| LoaderError::Pin { path: pin.clone(), source })?;
+            map.pin(&pin).map_err(|source| LoaderError::Pin {
+                path: pin.clone(),
+                source,
+            })?;
             info!(map = name, from = %old.display(), "taking over socket state map from the old layout");
         }
     }
-    let map_err = |source| LoaderError::Map { map: META_MAP, source };
+    let map_err = |source| LoaderError::Map {
+        map: META_MAP,
+        source,
+    };
     let mut meta: Array<_, Meta> = ebpf
         .take_map(META_MAP)
-        .ok_or(map_err(aya::maps::MapError::InvalidName { name: META_MAP.into() }))
+        .ok_or(map_err(aya::maps::MapError::InvalidName {
+            name: META_MAP.into(),
+        }))
         .and_then(|m| Array::try_from(m).map_err(map_err))?;
-    meta.set(0, Meta { layout_version: version, _pad: 0 }, 0).map_err(map_err)?;
+    meta.set(
+        0,
+        Meta {
+            layout_version: version,
+            _pad: 0,
+        },
+        0,
+    )
+    .map_err(map_err)?;
 
     for name in PROGRAMS {
-        let prog_err = |source| LoaderError::Program { program: name, source };
+        let prog_err = |source| LoaderError::Program {
+            program: name,
+            source,
+        };
         let prog: &mut CgroupSockAddr = ebpf
             .program_mut(name)
             .ok_or(prog_err(aya::programs::ProgramError::NotLoaded))?
@@ -340,7 +377,8 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
             .map_err(prog_err)?;
         prog.load().map_err(prog_err)?;
     }
-    let maps = KernelMaps::from_ebpf(&mut ebpf).map_err(|(map, source)| LoaderError::Map { map, source })?;
+    let maps = KernelMaps::from_ebpf(&mut ebpf)
+        .map_err(|(map, source)| LoaderError::Map { map, source })?;
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(l) => Some(l),
         Err(e) => {
@@ -348,8 +386,21 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
             None
         }
     };
-    let pending = Pending { cgroup, cgroup_id, bpffs: opts.bpffs.clone(), maps_dir: dir, migrate_from };
-    Ok(Loaded { ebpf, maps, adopted, capacity, logger, pending })
+    let pending = Pending {
+        cgroup,
+        cgroup_id,
+        bpffs: opts.bpffs.clone(),
+        maps_dir: dir,
+        migrate_from,
+    };
+    Ok(Loaded {
+        ebpf,
+        maps,
+        adopted,
+        capacity,
+        logger,
+        pending,
+    })
 }
 
 /// Attaches every program through its pinned link, swapping the program in place when
@@ -367,7 +418,11 @@ pub fn attach(ebpf: &mut Ebpf, p: &Pending) -> Result<(), LoaderError> {
         // Connections made by the old programs while we swapped.
         copy_socket_state(old, &p.maps_dir);
         remove_layout(&p.bpffs, old)?;
-        info!(from = version, to = layout_version(), "migrated: programs swapped, old maps removed");
+        info!(
+            from = version,
+            to = layout_version(),
+            "migrated: programs swapped, old maps removed"
+        );
     }
     Ok(())
 }
@@ -377,8 +432,16 @@ pub fn attach(ebpf: &mut Ebpf, p: &Pending) -> Result<(), LoaderError> {
 /// pinned its own yet.
 fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str, PathBuf)> {
     let sizes = [
-        (SOCK_REVNAT_MAP, std::mem::size_of::<RevNatKey>(), std::mem::size_of::<RevNatValue>()),
-        (AFFINITY_MAP, std::mem::size_of::<AffinityKey>(), std::mem::size_of::<AffinityValue>()),
+        (
+            SOCK_REVNAT_MAP,
+            std::mem::size_of::<RevNatKey>(),
+            std::mem::size_of::<RevNatValue>(),
+        ),
+        (
+            AFFINITY_MAP,
+            std::mem::size_of::<AffinityKey>(),
+            std::mem::size_of::<AffinityValue>(),
+        ),
     ];
     let mut out = Vec::new();
     for (name, k, v) in sizes {
@@ -405,22 +468,33 @@ fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str,
 /// `getpeername`/`recvmsg`, its traffic is unaffected.
 fn copy_socket_state(from: &Path, to: &Path) {
     for name in [SOCK_REVNAT_MAP, AFFINITY_MAP] {
-        let (Ok(src), Ok(dst)) = (MapData::from_pin(from.join(name)), MapData::from_pin(to.join(name))) else {
+        let (Ok(src), Ok(dst)) = (
+            MapData::from_pin(from.join(name)),
+            MapData::from_pin(to.join(name)),
+        ) else {
             continue;
         };
-        let (Ok(si), Ok(di)) = (src.info(), dst.info()) else { continue };
+        let (Ok(si), Ok(di)) = (src.info(), dst.info()) else {
+            continue;
+        };
         if si.id() == di.id() {
             continue; // the new layout took this very map over
         }
         if si.key_size() != di.key_size() || si.value_size() != di.value_size() {
-            warn!(map = name, "entry layout changed: socket state not carried over");
+            warn!(
+                map = name,
+                "entry layout changed: socket state not carried over"
+            );
             continue;
         }
         let copied = match name {
             SOCK_REVNAT_MAP => copy_entries::<RevNatKey, RevNatValue>(src, dst),
             _ => copy_entries::<AffinityKey, AffinityValue>(src, dst),
         };
-        info!(map = name, copied, "carried socket state over to the new layout");
+        info!(
+            map = name,
+            copied, "carried socket state over to the new layout"
+        );
     }
 }
 
@@ -431,7 +505,10 @@ fn copy_entries<K: aya::Pod, V: aya::Pod>(src: MapData, dst: MapData) -> usize {
     ) else {
         return 0;
     };
-    src.iter().flatten().filter(|(k, v)| dst.insert(k, v, 0).is_ok()).count()
+    src.iter()
+        .flatten()
+        .filter(|(k, v)| dst.insert(k, v, 0).is_ok())
+        .count()
 }
 
 /// Removes one layout's map pins (and its directory, unless it is the bpffs root of
@@ -445,7 +522,13 @@ fn remove_layout(bpffs: &Path, dir: &Path) -> Result<Vec<PathBuf>, LoaderError> 
         match fs::remove_dir(dir) {
             Ok(()) => removed.push(dir.to_path_buf()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(LoaderError::Io { what: "removing directory (not empty?)", path: dir.into(), source }),
+            Err(source) => {
+                return Err(LoaderError::Io {
+                    what: "removing directory (not empty?)",
+                    path: dir.into(),
+                    source,
+                });
+            }
         }
     }
     Ok(removed)

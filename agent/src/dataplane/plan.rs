@@ -336,8 +336,16 @@ pub fn desired_content_owned(
 }
 
 /// Writes one ServicePort's entries into `out` and returns what it owns.
-pub(crate) fn place(sp: &ServicePortState, svc_id: u32, ids: &mut Ids, out: &mut MapContent) -> Owned {
-    let mut owned = Owned { svc_id, ..Default::default() };
+pub(crate) fn place(
+    sp: &ServicePortState,
+    svc_id: u32,
+    ids: &mut Ids,
+    out: &mut MapContent,
+) -> Owned {
+    let mut owned = Owned {
+        svc_id,
+        ..Default::default()
+    };
     let proto = proto_number(sp.id.protocol);
     for f in &sp.frontends {
         let key0 = slot0_key(f, sp.id.protocol);

@@ -47,7 +47,11 @@ impl Programmed {
         let mut ids = Ids::adopt(current);
         let (content, errors, owners) = desired_content_owned(desired, &mut ids, current, cap);
         // Empty maps are filled straight from `content` (KernelMaps::fill): no plan.
-        let plan = if current == &MapContent::default() { Plan::default() } else { diff(current, &content) };
+        let plan = if current == &MapContent::default() {
+            Plan::default()
+        } else {
+            diff(current, &content)
+        };
         let mut backend_refs: HashMap<u32, u32> = HashMap::new();
         for o in owners.values() {
             for b in &o.backends {
@@ -55,7 +59,17 @@ impl Programmed {
             }
         }
         let frontends = content.services.keys().filter(|k| k.slot == 0).count();
-        (Programmed { content, ids, owners, backend_refs, frontends }, plan, errors)
+        (
+            Programmed {
+                content,
+                ids,
+                owners,
+                backend_refs,
+                frontends,
+            },
+            plan,
+            errors,
+        )
     }
 
     pub fn programmed_ports(&self) -> usize {
@@ -94,16 +108,23 @@ impl Programmed {
     }
 
     fn remove(&mut self, id: &ServicePortId, t: &mut Touched) {
-        let Some(owned) = self.owners.remove(id) else { return };
+        let Some(owned) = self.owners.remove(id) else {
+            return;
+        };
         self.ids.services.remove(id);
         for k in &owned.keys {
-            t.services.entry(*k).or_insert_with(|| self.content.services.get(k).copied());
+            t.services
+                .entry(*k)
+                .or_insert_with(|| self.content.services.get(k).copied());
             if self.content.services.remove(k).is_some() && k.slot == 0 {
                 self.frontends -= 1;
             }
         }
         for b in &owned.backends {
-            let m = MemberKey { svc_id: owned.svc_id, backend_id: *b };
+            let m = MemberKey {
+                svc_id: owned.svc_id,
+                backend_id: *b,
+            };
             t.members.entry(m).or_insert(true);
             self.content.members.remove(&m);
             self.release_backend(*b, t);
@@ -115,9 +136,13 @@ impl Programmed {
         *refs = refs.saturating_sub(1);
         if *refs == 0 {
             self.backend_refs.remove(&b);
-            t.backends.entry(b).or_insert_with(|| self.content.backends.get(&b).copied());
+            t.backends
+                .entry(b)
+                .or_insert_with(|| self.content.backends.get(&b).copied());
             if let Some(backend) = self.content.backends.remove(&b) {
-                self.ids.backends.remove(&(backend.addr, backend.port, backend.proto));
+                self.ids
+                    .backends
+                    .remove(&(backend.addr, backend.port, backend.proto));
             }
         }
     }
@@ -129,8 +154,10 @@ impl Programmed {
         cap: Capacity,
         t: &mut Touched,
     ) -> Result<(), PlanError> {
-        if let Some(f) =
-            state.frontends.iter().find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize)
+        if let Some(f) = state
+            .frontends
+            .iter()
+            .find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize)
         {
             return Err(PlanError::TooManyEndpoints {
                 service: id.clone(),
@@ -156,17 +183,23 @@ impl Programmed {
         }
         self.remove(id, t);
         for (k, v) in scratch.services {
-            t.services.entry(k).or_insert_with(|| self.content.services.get(&k).copied());
+            t.services
+                .entry(k)
+                .or_insert_with(|| self.content.services.get(&k).copied());
             if self.content.services.insert(k, v).is_none() && k.slot == 0 {
                 self.frontends += 1;
             }
         }
         for (b, v) in scratch.backends {
-            t.backends.entry(b).or_insert_with(|| self.content.backends.get(&b).copied());
+            t.backends
+                .entry(b)
+                .or_insert_with(|| self.content.backends.get(&b).copied());
             self.content.backends.insert(b, v);
         }
         for m in scratch.members {
-            t.members.entry(m).or_insert_with(|| self.content.members.contains(&m));
+            t.members
+                .entry(m)
+                .or_insert_with(|| self.content.members.contains(&m));
             self.content.members.insert(m);
         }
         self.ids.services.insert(id.clone(), svc_id);
@@ -174,7 +207,12 @@ impl Programmed {
         Ok(())
     }
 
-    fn check_capacity(&self, id: &ServicePortId, state: &ServicePortState, cap: Capacity) -> Result<(), PlanError> {
+    fn check_capacity(
+        &self,
+        id: &ServicePortId,
+        state: &ServicePortState,
+        cap: Capacity,
+    ) -> Result<(), PlanError> {
         let (entries, tuples) = footprint(state);
         let old = self.owners.get(id);
         let used = self.content.services.len() as u32 - old.map_or(0, |o| o.keys.len() as u32);
@@ -190,13 +228,19 @@ impl Programmed {
         }
         // Backends after the change: the new tuples nobody has yet come in, and the ones
         // only this ServicePort used and no longer needs go out.
-        let fresh = tuples.iter().filter(|t| !self.ids.backends.contains_key(t)).count() as u32;
+        let fresh = tuples
+            .iter()
+            .filter(|t| !self.ids.backends.contains_key(t))
+            .count() as u32;
         let freed = old.map_or(0, |o| {
             o.backends
                 .iter()
                 .filter(|b| self.backend_refs.get(b).copied().unwrap_or(0) <= 1)
                 .filter(|b| {
-                    self.content.backends.get(b).is_none_or(|v| !tuples.contains(&(v.addr, v.port, v.proto)))
+                    self.content
+                        .backends
+                        .get(b)
+                        .is_none_or(|v| !tuples.contains(&(v.addr, v.port, v.proto)))
                 })
                 .count() as u32
         });
@@ -281,7 +325,10 @@ mod tests {
                         fmt_endpoint(&b.addr, u16::from_be(b.port))
                     })
                     .collect();
-                (fmt_endpoint(&k.addr, u16::from_be(k.port)), (v.flags, backends))
+                (
+                    fmt_endpoint(&k.addr, u16::from_be(k.port)),
+                    (v.flags, backends),
+                )
             })
             .collect()
     }
@@ -318,14 +365,32 @@ mod tests {
             let (plan, errors) = p.update(&changes(&prev, &next), cap);
             assert!(errors.is_empty(), "step {i}: {errors:?}");
             kernel = apply(&kernel, &plan);
-            assert_eq!(kernel, p.content, "step {i}: the kernel must hold what was planned");
+            assert_eq!(
+                kernel, p.content,
+                "step {i}: the kernel must hold what was planned"
+            );
             let (full, _, _) = Programmed::full(&next, &MapContent::default(), cap);
-            assert_eq!(semantic(&p.content), semantic(&full.content), "step {i}: incremental != full");
-            let used: BTreeSet<u32> = p.owners.values().flat_map(|o| o.backends.iter().copied()).collect();
+            assert_eq!(
+                semantic(&p.content),
+                semantic(&full.content),
+                "step {i}: incremental != full"
+            );
+            let used: BTreeSet<u32> = p
+                .owners
+                .values()
+                .flat_map(|o| o.backends.iter().copied())
+                .collect();
             let stored: BTreeSet<u32> = p.content.backends.keys().copied().collect();
-            assert_eq!(used, stored, "step {i}: backends stored must be exactly those referenced");
+            assert_eq!(
+                used, stored,
+                "step {i}: backends stored must be exactly those referenced"
+            );
             let frontends = p.content.services.keys().filter(|k| k.slot == 0).count();
-            assert_eq!(p.frontend_count(), frontends, "step {i}: the frontend counter must follow the map");
+            assert_eq!(
+                p.frontend_count(),
+                frontends,
+                "step {i}: the frontend counter must follow the map"
+            );
             plans.push(plan);
             prev = next;
         }
@@ -335,13 +400,26 @@ mod tests {
     #[test]
     fn incremental_matches_full_through_changes() {
         run(&[
-            docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]), web("b", "10.96.0.2", &["10.0.0.2"])]),
+            docs(&[
+                web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+                web("b", "10.96.0.2", &["10.0.0.2"]),
+            ]),
             // b grows, sharing 10.0.0.1 with a
-            docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]), web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.2", "10.0.0.3"])]),
+            docs(&[
+                web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+                web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+            ]),
             // a loses everything (reject), c appears
-            docs(&[web("a", "10.96.0.1", &[]), web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.3"]), web("c", "10.96.0.3", &["10.0.0.9"])]),
+            docs(&[
+                web("a", "10.96.0.1", &[]),
+                web("b", "10.96.0.2", &["10.0.0.1", "10.0.0.3"]),
+                web("c", "10.96.0.3", &["10.0.0.9"]),
+            ]),
             // a removed, c moves to a's ClusterIP
-            docs(&[web("b", "10.96.0.2", &["10.0.0.3"]), web("c", "10.96.0.1", &["10.0.0.9"])]),
+            docs(&[
+                web("b", "10.96.0.2", &["10.0.0.3"]),
+                web("c", "10.96.0.1", &["10.0.0.9"]),
+            ]),
             String::new(),
         ]);
     }
@@ -349,20 +427,42 @@ mod tests {
     #[test]
     fn a_change_touches_only_its_service() {
         let plans = run(&[
-            docs(&[web("a", "10.96.0.1", &["10.0.0.1"]), web("b", "10.96.0.2", &["10.0.0.5"])]),
-            docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]), web("b", "10.96.0.2", &["10.0.0.5"])]),
+            docs(&[
+                web("a", "10.96.0.1", &["10.0.0.1"]),
+                web("b", "10.96.0.2", &["10.0.0.5"]),
+            ]),
+            docs(&[
+                web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+                web("b", "10.96.0.2", &["10.0.0.5"]),
+            ]),
         ]);
         let p = &plans[1];
         let b_vip = crate::dataplane::plan::addr_of(&"10.96.0.2".parse().unwrap());
         let touched: Vec<&ServiceKey> = p
             .frontends
             .iter()
-            .flat_map(|f| f.slot_upserts.iter().map(|(k, _)| k).chain([&f.slot0]).chain(&f.slot_deletes))
+            .flat_map(|f| {
+                f.slot_upserts
+                    .iter()
+                    .map(|(k, _)| k)
+                    .chain([&f.slot0])
+                    .chain(&f.slot_deletes)
+            })
             .chain(&p.frontend_deletes)
             .collect();
-        assert!(touched.iter().all(|k| k.addr != b_vip), "b must not be rewritten: {touched:?}");
-        assert_eq!(p.backend_upserts.len(), 1, "only the new backend is written: {p:?}");
-        assert!(p.backend_deletes.is_empty() && p.member_deletes.is_empty(), "{p:?}");
+        assert!(
+            touched.iter().all(|k| k.addr != b_vip),
+            "b must not be rewritten: {touched:?}"
+        );
+        assert_eq!(
+            p.backend_upserts.len(),
+            1,
+            "only the new backend is written: {p:?}"
+        );
+        assert!(
+            p.backend_deletes.is_empty() && p.member_deletes.is_empty(),
+            "{p:?}"
+        );
     }
 
     #[test]
@@ -380,24 +480,53 @@ mod tests {
 
     #[test]
     fn growth_past_capacity_keeps_the_old_state() {
-        let cap = Capacity { services: 4, backends: 10 };
+        let cap = Capacity {
+            services: 4,
+            backends: 10,
+        };
         let one = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
         let (mut p, plan, errors) = Programmed::full(&one, &MapContent::default(), cap);
         assert!(errors.is_empty());
-        assert!(plan.is_empty(), "empty maps are filled from the content, not through a plan");
+        assert!(
+            plan.is_empty(),
+            "empty maps are filled from the content, not through a plan"
+        );
         let kernel = p.content.clone(); // what KernelMaps::fill writes
-        let four = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"])]));
+        let four = desired(&docs(&[web(
+            "a",
+            "10.96.0.1",
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"],
+        )]));
         let (plan, errors) = p.update(&changes(&one, &four), cap);
-        assert!(matches!(errors.as_slice(), [PlanError::MapFull { flag: "max-services", .. }]), "{errors:?}");
+        assert!(
+            matches!(
+                errors.as_slice(),
+                [PlanError::MapFull {
+                    flag: "max-services",
+                    ..
+                }]
+            ),
+            "{errors:?}"
+        );
         assert!(plan.is_empty(), "nothing may be written: {plan:?}");
         assert_eq!(apply(&kernel, &plan), p.content);
-        assert_eq!(semantic(&p.content), semantic(&Programmed::full(&one, &MapContent::default(), cap).0.content));
+        assert_eq!(
+            semantic(&p.content),
+            semantic(
+                &Programmed::full(&one, &MapContent::default(), cap)
+                    .0
+                    .content
+            )
+        );
     }
 
     #[test]
     fn replacing_all_backends_at_backend_capacity_fits() {
         // {1,2} -> {3,4} with room for exactly 2 backends: the old ones are freed.
-        let cap = Capacity { services: 100, backends: 2 };
+        let cap = Capacity {
+            services: 100,
+            backends: 2,
+        };
         let before = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
         let after = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.3", "10.0.0.4"])]));
         let (mut p, _, _) = Programmed::full(&before, &MapContent::default(), cap);

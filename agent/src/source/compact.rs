@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::{
     api::core::v1::Service,
-    api::discovery::v1::{Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice, ForNode, ForZone},
+    api::discovery::v1::{
+        Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice, ForNode, ForZone,
+    },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
@@ -65,7 +67,10 @@ impl SliceLite {
     }
 
     pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels.iter().find(|(k, _)| &**k == key).map(|(_, v)| &**v)
+        self.labels
+            .iter()
+            .find(|(k, _)| &**k == key)
+            .map(|(_, v)| &**v)
     }
 
     /// `None` when the slice has no name (never stored).
@@ -90,8 +95,18 @@ impl SliceLite {
                     serving: c.and_then(|c| c.serving),
                     terminating: c.and_then(|c| c.terminating),
                     node_name: e.node_name.as_deref().map(text),
-                    zone_hints: hints.and_then(|h| h.for_zones.as_ref()).iter().flat_map(|z| z.iter()).map(|z| text(&z.name)).collect(),
-                    node_hints: hints.and_then(|h| h.for_nodes.as_ref()).iter().flat_map(|n| n.iter()).map(|n| text(&n.name)).collect(),
+                    zone_hints: hints
+                        .and_then(|h| h.for_zones.as_ref())
+                        .iter()
+                        .flat_map(|z| z.iter())
+                        .map(|z| text(&z.name))
+                        .collect(),
+                    node_hints: hints
+                        .and_then(|h| h.for_nodes.as_ref())
+                        .iter()
+                        .flat_map(|n| n.iter())
+                        .map(|n| text(&n.name))
+                        .collect(),
                 }
             })
             .collect();
@@ -99,13 +114,21 @@ impl SliceLite {
             .ports
             .iter()
             .flatten()
-            .map(|p| PortLite { name: p.name.as_deref().map(text), port: p.port, protocol: p.protocol.as_deref().map(text) })
+            .map(|p| PortLite {
+                name: p.name.as_deref().map(text),
+                port: p.port,
+                protocol: p.protocol.as_deref().map(text),
+            })
             .collect();
         Some(SliceLite {
             namespace: text(meta.namespace.as_deref().unwrap_or("default")),
             name: text(meta.name.as_deref()?),
             labels,
-            trigger_time: meta.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME)).map(|t| text(t)),
+            trigger_time: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(TRIGGER_TIME))
+                .map(|t| text(t)),
             address_type: text(&s.address_type),
             ports,
             endpoints,
@@ -114,14 +137,20 @@ impl SliceLite {
 
     /// The API object the model reads (with only the fields kept here).
     pub fn to_k8s(&self) -> EndpointSlice {
-        let labels: BTreeMap<String, String> =
-            self.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let labels: BTreeMap<String, String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         EndpointSlice {
             metadata: ObjectMeta {
                 name: Some(self.name.to_string()),
                 namespace: Some(self.namespace.to_string()),
                 labels: (!labels.is_empty()).then_some(labels),
-                annotations: self.trigger_time.as_ref().map(|t| [(TRIGGER_TIME.to_string(), t.to_string())].into()),
+                annotations: self
+                    .trigger_time
+                    .as_ref()
+                    .map(|t| [(TRIGGER_TIME.to_string(), t.to_string())].into()),
                 ..Default::default()
             },
             address_type: self.address_type.to_string(),
@@ -143,14 +172,32 @@ impl SliceLite {
 
 impl EndpointLite {
     fn to_k8s(&self) -> Endpoint {
-        let hints = (!self.zone_hints.is_empty() || !self.node_hints.is_empty()).then(|| EndpointHints {
-            for_zones: (!self.zone_hints.is_empty())
-                .then(|| self.zone_hints.iter().map(|z| ForZone { name: z.to_string() }).collect()),
-            for_nodes: (!self.node_hints.is_empty())
-                .then(|| self.node_hints.iter().map(|n| ForNode { name: n.to_string() }).collect()),
-        });
-        let conditions = (self.ready.is_some() || self.serving.is_some() || self.terminating.is_some())
-            .then_some(EndpointConditions { ready: self.ready, serving: self.serving, terminating: self.terminating });
+        let hints =
+            (!self.zone_hints.is_empty() || !self.node_hints.is_empty()).then(|| EndpointHints {
+                for_zones: (!self.zone_hints.is_empty()).then(|| {
+                    self.zone_hints
+                        .iter()
+                        .map(|z| ForZone {
+                            name: z.to_string(),
+                        })
+                        .collect()
+                }),
+                for_nodes: (!self.node_hints.is_empty()).then(|| {
+                    self.node_hints
+                        .iter()
+                        .map(|n| ForNode {
+                            name: n.to_string(),
+                        })
+                        .collect()
+                }),
+            });
+        let conditions =
+            (self.ready.is_some() || self.serving.is_some() || self.terminating.is_some())
+                .then_some(EndpointConditions {
+                    ready: self.ready,
+                    serving: self.serving,
+                    terminating: self.terminating,
+                });
         Endpoint {
             addresses: self.address.iter().map(|a| a.to_string()).collect(),
             conditions,
@@ -217,15 +264,40 @@ mod tests {
         assert_eq!(back.metadata.name.as_deref(), Some("web-abc"));
         assert_eq!(back.metadata.annotations.as_ref().unwrap().len(), 1);
         let e0 = &back.endpoints[0];
-        assert_eq!(e0.addresses, vec!["10.0.0.1".to_string()], "only addresses[0] is kept");
+        assert_eq!(
+            e0.addresses,
+            vec!["10.0.0.1".to_string()],
+            "only addresses[0] is kept"
+        );
         assert_eq!(e0.node_name.as_deref(), Some("node-a"));
         assert!(e0.target_ref.is_none() && e0.zone.is_none());
-        assert_eq!(e0.hints.as_ref().unwrap().for_zones.as_ref().unwrap()[0].name, "z1");
-        assert!(back.endpoints[1].conditions.is_none(), "absent conditions stay absent (they default to ready)");
+        assert_eq!(
+            e0.hints.as_ref().unwrap().for_zones.as_ref().unwrap()[0].name,
+            "z1"
+        );
+        assert!(
+            back.endpoints[1].conditions.is_none(),
+            "absent conditions stay absent (they default to ready)"
+        );
         assert!(back.endpoints[2].addresses.is_empty());
         let ports = back.ports.clone().unwrap();
-        assert_eq!((ports[0].name.as_deref(), ports[0].port, ports[0].protocol.as_deref()), (Some("http"), Some(8080), Some("TCP")));
-        assert_eq!((ports[1].name.as_deref(), ports[1].port), (None, Some(9090)), "a nil name stays nil (kube-proxy skips it)");
-        assert_eq!(SliceLite::from_k8s(&back), Some(lite), "converting again changes nothing");
+        assert_eq!(
+            (
+                ports[0].name.as_deref(),
+                ports[0].port,
+                ports[0].protocol.as_deref()
+            ),
+            (Some("http"), Some(8080), Some("TCP"))
+        );
+        assert_eq!(
+            (ports[1].name.as_deref(), ports[1].port),
+            (None, Some(9090)),
+            "a nil name stays nil (kube-proxy skips it)"
+        );
+        assert_eq!(
+            SliceLite::from_k8s(&back),
+            Some(lite),
+            "converting again changes nothing"
+        );
     }
 }

@@ -533,9 +533,13 @@ impl Mapper {
                 let event = match event {
                     watcher::Event::Init => Some(watcher::Event::Init),
                     watcher::Event::InitDone => Some(watcher::Event::InitDone),
-                    watcher::Event::InitApply(s) => SliceLite::from_k8s(&s).map(watcher::Event::InitApply),
+                    watcher::Event::InitApply(s) => {
+                        SliceLite::from_k8s(&s).map(watcher::Event::InitApply)
+                    }
                     watcher::Event::Apply(s) => SliceLite::from_k8s(&s).map(watcher::Event::Apply),
-                    watcher::Event::Delete(s) => SliceLite::from_k8s(&s).map(watcher::Event::Delete),
+                    watcher::Event::Delete(s) => {
+                        SliceLite::from_k8s(&s).map(watcher::Event::Delete)
+                    }
                 };
                 match event.and_then(|e| step(&mut self.slices, e)) {
                     Some(Step::Reset(all)) => {
@@ -894,7 +898,10 @@ mod tests {
         assert_eq!(s.metadata.annotations, None);
         assert_eq!(
             slices[0].trigger_time.as_deref(),
-            trigger_only.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)).map(String::as_str)
+            trigger_only
+                .as_ref()
+                .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
+                .map(String::as_str)
         );
         assert_eq!(n.metadata.managed_fields, None);
         assert_eq!(n.status.as_ref().unwrap().images, None);
