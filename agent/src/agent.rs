@@ -158,8 +158,7 @@ impl Syncer {
         };
         let (plan, errors) = match self.programmed.as_mut() {
             Some(p) => {
-                let mut ids: Vec<ServicePortId> =
-                    changes.iter().map(|(id, _)| id.clone()).collect();
+                let mut ids: Vec<ServicePortId> = changes;
                 ids.extend(
                     self.plan_errors
                         .keys()

@@ -312,8 +312,10 @@ impl Engine {
         (problems, skips)
     }
 
-    /// Recomputes the dirty Services; returns the ServicePort changes (None = removed).
-    pub fn recompute(&mut self, dirty: &Dirty) -> Vec<(ServicePortId, Option<ServicePortState>)> {
+    /// Recomputes the dirty Services; returns the ServicePorts that changed (their new
+    /// state, or their absence, is in [`Engine::desired`]: no copies, which at 10,000
+    /// Services would double the desired state at the peak of the first sync).
+    pub fn recompute(&mut self, dirty: &Dirty) -> Vec<ServicePortId> {
         self.node.zone = zone_of(self.store.node());
         let keys: BTreeSet<ObjectKey> = if dirty.all {
             self.store
@@ -341,7 +343,7 @@ impl Engine {
     fn recompute_one(
         &mut self,
         k: &ObjectKey,
-        changes: &mut Vec<(ServicePortId, Option<ServicePortState>)>,
+        changes: &mut Vec<ServicePortId>,
     ) -> BTreeSet<ObjectKey> {
         let mut state = match self.store.services.get(k) {
             Some(svc) => model::compute(
@@ -364,13 +366,13 @@ impl Engine {
             }
             new_ports.insert(id.clone());
             if self.desired.get(&id) != Some(&sp) {
-                self.desired.insert(id.clone(), sp.clone());
-                changes.push((id, Some(sp)));
+                self.desired.insert(id.clone(), sp);
+                changes.push(id);
             }
         }
         for id in old_ports.difference(&new_ports) {
             self.desired.remove(id);
-            changes.push((id.clone(), None));
+            changes.push(id.clone());
         }
         if !new_ports.is_empty() {
             self.ports_of.insert(k.clone(), new_ports);
@@ -495,7 +497,13 @@ mod tests {
         for ev in events {
             e.store.apply(ev, &mut dirty);
         }
-        e.recompute(&dirty)
+        let ids = e.recompute(&dirty);
+        ids.into_iter()
+            .map(|id| {
+                let s = e.desired().get(&id).cloned();
+                (id, s)
+            })
+            .collect()
     }
 
     fn names(changes: &[(ServicePortId, Option<ServicePortState>)]) -> Vec<String> {
