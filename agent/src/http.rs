@@ -89,7 +89,8 @@ async fn respond(
     stream.shutdown().await
 }
 
-fn rfc3339(t: SystemTime) -> String {
+/// RFC 3339 UTC with second precision, as Kubernetes writes times.
+pub fn rfc3339(t: SystemTime) -> String {
     let secs = t.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs() as i64;
     let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
     // Civil-from-days (Howard Hinnant's algorithm), to avoid a date crate for one field.
@@ -383,6 +384,13 @@ fn metrics(s: &Status) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        let t = UNIX_EPOCH + Duration::from_secs(1_709_251_199);
+        assert_eq!(rfc3339(t), "2024-02-29T23:59:59Z", "leap day");
+    }
 
     #[test]
     fn healthz_is_503_before_first_sync_and_200_after() {

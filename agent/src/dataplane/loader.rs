@@ -519,17 +519,7 @@ fn remove_layout(bpffs: &Path, dir: &Path) -> Result<Vec<PathBuf>, LoaderError> 
         remove_if_present(&dir.join(name), &mut removed)?;
     }
     if dir != bpffs {
-        match fs::remove_dir(dir) {
-            Ok(()) => removed.push(dir.to_path_buf()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(LoaderError::Io {
-                    what: "removing directory (not empty?)",
-                    path: dir.into(),
-                    source,
-                });
-            }
-        }
+        remove_dir_if_present(dir, &mut removed)?;
     }
     Ok(removed)
 }
@@ -644,19 +634,24 @@ pub fn cleanup(bpffs: &Path) -> Result<Vec<PathBuf>, LoaderError> {
     // Layout 1 pinned maps in the root; removing its names is harmless otherwise.
     removed.extend(remove_layout(bpffs, bpffs)?);
     for dir in [links.as_path(), bpffs] {
-        match fs::remove_dir(dir) {
-            Ok(()) => removed.push(dir.to_path_buf()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(LoaderError::Io {
-                    what: "removing directory (not empty?)",
-                    path: dir.into(),
-                    source,
-                });
-            }
-        }
+        remove_dir_if_present(dir, &mut removed)?;
     }
     Ok(removed)
+}
+
+fn remove_dir_if_present(dir: &Path, removed: &mut Vec<PathBuf>) -> Result<(), LoaderError> {
+    match fs::remove_dir(dir) {
+        Ok(()) => {
+            removed.push(dir.to_path_buf());
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(LoaderError::Io {
+            what: "removing directory (not empty?)",
+            path: dir.into(),
+            source,
+        }),
+    }
 }
 
 fn remove_if_present(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), LoaderError> {

@@ -613,30 +613,11 @@ pub(crate) mod tests {
     use std::fmt::Write as _;
 
     use ferry_common::lb::{BACKENDS_MAP, MAX_BACKENDS_PER_SERVICE, SERVICES_MAP};
-    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-    use serde::Deserialize;
 
     use super::*;
     use crate::model::{self, IpFamily, NodeInfo};
 
-    /// Strips the common indentation of an indented raw string, and blank edges.
-    pub(crate) fn dedent(text: &str) -> String {
-        let lines: Vec<&str> = text.lines().skip_while(|l| l.trim().is_empty()).collect();
-        let indent = lines
-            .iter()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| l.len() - l.trim_start().len())
-            .min()
-            .unwrap_or(0);
-        let mut out: Vec<&str> = lines
-            .iter()
-            .map(|l| l.get(indent..).unwrap_or("").trim_end())
-            .collect();
-        while out.last().is_some_and(|l| l.is_empty()) {
-            out.pop();
-        }
-        out.iter().map(|l| format!("{l}\n")).collect()
-    }
+    pub(crate) use crate::model::testutil::dedent;
 
     /// `node-a`, serving NodePorts on 192.168.1.10.
     fn node() -> NodeInfo {
@@ -650,18 +631,7 @@ pub(crate) mod tests {
     /// Services and EndpointSlices from a multi-document YAML stream -> the model's output.
     /// The fixtures are meant to be valid: any model problem fails the test.
     pub(crate) fn desired(yaml: &str) -> DesiredState {
-        let (mut services, mut slices): (Vec<Service>, Vec<EndpointSlice>) = (vec![], vec![]);
-        for doc in serde_yaml::Deserializer::from_str(&dedent(yaml)) {
-            let value = serde_yaml::Value::deserialize(doc).expect("valid YAML");
-            match value.get("kind").and_then(|k| k.as_str()) {
-                Some("Service") => services.push(serde_yaml::from_value(value).expect("a Service")),
-                Some("EndpointSlice") => {
-                    slices.push(serde_yaml::from_value(value).expect("an EndpointSlice"))
-                }
-                None => {} // empty document
-                other => panic!("unexpected kind {other:?}"),
-            }
-        }
+        let (services, slices) = crate::model::testutil::objects(yaml);
         let state = model::compute(&services, &slices, &node());
         assert!(
             state.problems.is_empty(),

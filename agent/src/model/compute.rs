@@ -632,7 +632,7 @@ fn backend_set(endpoints: &PortEndpoints, node: &NodeInfo, local_policy: bool) -
 
 /// Helpers shared by the model's tests: YAML in, rendered text compared.
 #[cfg(test)]
-pub(super) mod testutil {
+pub(crate) mod testutil {
     use std::net::IpAddr;
 
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
@@ -662,7 +662,7 @@ pub(super) mod testutil {
     }
 
     /// Strips the common indentation of an indented raw string, and blank edges.
-    pub(in crate::model) fn dedent(text: &str) -> String {
+    pub(crate) fn dedent(text: &str) -> String {
         let lines: Vec<&str> = text.lines().skip_while(|l| l.trim().is_empty()).collect();
         let indent = lines
             .iter()
@@ -681,7 +681,7 @@ pub(super) mod testutil {
     }
 
     /// Parses a multi-document YAML stream of Services and EndpointSlices.
-    pub(in crate::model) fn objects(yaml: &str) -> (Vec<Service>, Vec<EndpointSlice>) {
+    pub(crate) fn objects(yaml: &str) -> (Vec<Service>, Vec<EndpointSlice>) {
         let (mut services, mut slices) = (vec![], vec![]);
         for doc in serde_yaml::Deserializer::from_str(&dedent(yaml)) {
             let value = serde_yaml::Value::deserialize(doc).expect("valid YAML");
@@ -690,6 +690,7 @@ pub(super) mod testutil {
                 Some("EndpointSlice") => {
                     slices.push(serde_yaml::from_value(value).expect("a slice"))
                 }
+                None => {} // an empty document
                 other => panic!("unexpected kind {other:?}"),
             }
         }

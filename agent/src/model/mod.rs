@@ -12,3 +12,7 @@ mod types;
 pub use compute::compute;
 pub use render::render;
 pub use types::*;
+
+/// YAML fixture helpers shared with the planner's tests.
+#[cfg(test)]
+pub(crate) use compute::testutil;
