@@ -42,6 +42,9 @@ pub const SVC_F_LOCAL_POLICY: u16 = 1 << 4;
 pub const SVC_F_NODEPORT: u16 = 1 << 5;
 /// Slot 0 flag: the frontend is an externalIP or a LoadBalancer ingress IP.
 pub const SVC_F_EXTERNAL: u16 = 1 << 6;
+/// Slot 0 flag (external-origin LoadBalancer frontends): only clients inside the
+/// ServicePort's `FERRY_SRC_RANGES` entries may connect; others are dropped.
+pub const SVC_F_SOURCE_RANGES: u16 = 1 << 7;
 
 /// Upper bound on backends per frontend; the eBPF side never reads past it.
 pub const MAX_BACKENDS_PER_SERVICE: u16 = 4096;

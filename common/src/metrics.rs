@@ -29,7 +29,20 @@ pub const COUNT_AFFINITY_FULL: u32 = 6;
 /// Reverse-NAT entry could not be stored (map full).
 pub const COUNT_REVNAT_FULL: u32 = 7;
 
-pub const COUNTERS_LEN: u32 = 8;
+/// tc path: a new external flow was translated (one per conntrack entry created).
+pub const COUNT_EXT_XLATE: u32 = 8;
+/// tc path: an ICMP / ICMPv6 port unreachable was sent (no endpoint at all).
+pub const COUNT_EXT_ICMP_UNREACH: u32 = 9;
+/// tc path: dropped, the client is outside the LoadBalancer's source ranges.
+pub const COUNT_SOURCE_RANGE_DROP: u32 = 10;
+/// tc path: no free source-NAT port for a new flow: dropped.
+pub const COUNT_SNAT_EXHAUSTED: u32 = 11;
+/// tc path: the FIB lookup for a translated packet failed: dropped (NATed) or passed.
+pub const COUNT_FIB_FAIL: u32 = 12;
+/// tc path: a conntrack entry could not be stored: the packet was dropped.
+pub const COUNT_CT_FULL: u32 = 13;
+
+pub const COUNTERS_LEN: u32 = 14;
 
 /// Names for the metrics endpoint and `ferry list`, indexed by `COUNT_*`.
 pub const COUNTER_NAMES: [&str; COUNTERS_LEN as usize] = [
@@ -41,4 +54,10 @@ pub const COUNTER_NAMES: [&str; COUNTERS_LEN as usize] = [
     "reverse_translated",
     "affinity_map_full",
     "revnat_map_full",
+    "external_translated",
+    "external_icmp_unreachable",
+    "source_range_dropped",
+    "snat_ports_exhausted",
+    "fib_lookup_failed",
+    "conntrack_map_full",
 ];
