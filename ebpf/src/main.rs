@@ -1,5 +1,5 @@
 //! ferry's eBPF programs: entry points only. Lookup and selection live in `lb`, the
-//! socket hooks in `sock`, maps in `maps`.
+//! socket hooks in `sock`, the tc datapath for external traffic in `tc`, maps in `maps`.
 // Entry points must stay `pub` so the loader finds them by name.
 #![allow(unreachable_pub)]
 #![no_std]
@@ -8,8 +8,12 @@
 mod lb;
 mod maps;
 mod sock;
+mod tc;
 
-use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
 use sock::{Family, reverse, translate};
 
 #[cgroup_sock_addr(connect4)]
@@ -50,6 +54,19 @@ pub fn ferry_getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn ferry_getpeername6(ctx: SockAddrContext) -> i32 {
     reverse(&ctx, Family::V6)
+}
+
+/// tcx ingress on node devices: NodePort / externalIP / LoadBalancer traffic from
+/// outside the node, and replies to source-NATed flows.
+#[classifier]
+pub fn ferry_tc_ingress(ctx: TcContext) -> i32 {
+    tc::ingress(&ctx)
+}
+
+/// tcx egress on node devices: local endpoints' replies get their frontend back.
+#[classifier]
+pub fn ferry_tc_egress(ctx: TcContext) -> i32 {
+    tc::egress(&ctx)
 }
 
 #[cfg(not(test))]

@@ -2,12 +2,14 @@
 //! at load time from its flags (`EbpfLoader::map_max_entries`).
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_NO_PREALLOC, bpf_fib_lookup},
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use ferry_common::{
-    Meta,
+    Addr, Meta,
+    ct::{CtEntry, CtKey},
+    ext::{MaglevTable, SnatAddrKey, SourceRangeKey},
     lb::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceKey, ServiceValue},
     metrics::{COUNTERS_LEN, SVC_CONNS_MAX_ENTRIES},
     sock::{RevNatKey, RevNatValue},
@@ -65,3 +67,46 @@ pub(crate) fn count_service(svc_id: u32) {
         }
     }
 }
+
+/// The tc path's conntrack (`CT_MAP`): two entries per flow, LRU so that a full table
+/// evicts the oldest flows instead of refusing new ones.
+#[map(name = "FERRY_CT")]
+pub(crate) static CT: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(262144, 0);
+
+/// Maglev tables per service id (`MAGLEV_MAP`). Values are 4 KiB: not preallocated, so
+/// memory follows the ServicePorts that have external frontends.
+#[map(name = "FERRY_MAGLEV")]
+pub(crate) static MAGLEV: HashMap<u32, MaglevTable> =
+    HashMap::with_max_entries(16384, BPF_F_NO_PREALLOC);
+
+/// loadBalancerSourceRanges per service id (`SOURCE_RANGES_MAP`); the LPM trie type
+/// always carries `BPF_F_NO_PREALLOC`.
+#[map(name = "FERRY_SRC_RANGES")]
+pub(crate) static SRC_RANGES: LpmTrie<SourceRangeKey, u8> = LpmTrie::with_max_entries(16384, 0);
+
+/// Node address per (device, family) for source NAT (`SNAT_ADDRS_MAP`).
+#[map(name = "FERRY_SNAT_ADDRS")]
+pub(crate) static SNAT_ADDRS: HashMap<SnatAddrKey, Addr> = HashMap::with_max_entries(256, 0);
+
+/// Bytes of the invoking packet an ICMPv6 error quotes at most: the error then fits the
+/// IPv6 minimum MTU (1280 - 40 IPv6 header - 8 ICMPv6 header, RFC 4443 §2.4 (c)).
+pub(crate) const ICMP_QUOTE_MAX: usize = 1232;
+
+/// Per-CPU working space of the tc programs: what does not fit their 512-byte stack (the
+/// packet an ICMP error quotes, conntrack keys and entries, FIB parameters). A tc program
+/// runs to completion on its CPU (softirq or BH-disabled transmit), so one value per CPU
+/// is never shared. Not pinned: nothing in it outlives one program run.
+#[repr(C)]
+pub(crate) struct Scratch {
+    pub(crate) okey: CtKey,
+    pub(crate) rkey: CtKey,
+    pub(crate) entry: CtEntry,
+    pub(crate) reply: CtEntry,
+    pub(crate) fib: bpf_fib_lookup,
+    /// What `fib` holds for the packet in flight: `ROUTE_*` (tc module).
+    pub(crate) route: u32,
+    pub(crate) quote: [u8; ICMP_QUOTE_MAX],
+}
+
+#[map(name = "FERRY_TC_SCRATCH")]
+pub(crate) static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);

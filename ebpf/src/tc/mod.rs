@@ -1,0 +1,430 @@
+//! The tc datapath for traffic from outside the node: NodePorts, externalIPs and
+//! LoadBalancer IPs (docs/external-traffic.md).
+//!
+//! Ingress: replies to source-NATed flows, known flows, then new flows (frontend lookup,
+//! Maglev, optional source NAT). Egress: replies of local endpoints get their frontend
+//! back as source. One concern per module: `parse`, `ct`, `nat`, `fib`, `icmp`.
+
+mod ct;
+mod fib;
+mod icmp;
+mod nat;
+mod parse;
+
+use aya_ebpf::{
+    bindings::{BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    helpers::bpf_ktime_get_ns,
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use aya_log_ebpf::warn;
+use ferry_common::{
+    Addr, addr_is_v4,
+    ct::{
+        CT_DIR_ORIGINAL, CT_DIR_REPLY, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, SNAT_PORT_MAX,
+        SNAT_PORT_MIN,
+    },
+    ext::{FAMILY_V4, FAMILY_V6, MAGLEV_TABLE_SIZE, SnatAddrKey, SourceRangeKey, flow_hash},
+    lb::{
+        BACKEND_F_LOCAL, MemberKey, PROTO_TCP, SCOPE_EXTERNAL_ORIGIN, SVC_F_DROP,
+        SVC_F_LOCAL_POLICY, SVC_F_SOURCE_RANGES, ServiceKey,
+    },
+    metrics::{
+        COUNT_BACKEND_MISSING, COUNT_CT_FULL, COUNT_DROP_NO_LOCAL, COUNT_EXT_ICMP_UNREACH,
+        COUNT_EXT_XLATE, COUNT_FIB_FAIL, COUNT_SNAT_EXHAUSTED, COUNT_SOURCE_RANGE_DROP,
+    },
+};
+
+use crate::maps::{
+    BACKENDS, CT, MAGLEV, MEMBERS, SCRATCH, SERVICES, SNAT_ADDRS, SRC_RANGES, Scratch, count,
+    count_service,
+};
+use ct::{fresh, touch};
+use nat::{Side, rewrite};
+use parse::{Pkt, parse};
+
+const OK: i32 = TC_ACT_OK as i32;
+const SHOT: i32 = TC_ACT_SHOT as i32;
+
+/// Source-NAT ports tried for a new flow before it is dropped as exhausted.
+const SNAT_TRIES: u32 = 32;
+/// [`new_flow`]'s answer when the packet is to be translated and sent on.
+const FORWARD: i32 = i32::MIN;
+/// [`new_flow`]'s answer when the client is to get a port unreachable.
+const REFUSE: i32 = i32::MIN + 1;
+
+/// `Scratch::route`: no lookup done yet for this packet.
+const ROUTE_NONE: u32 = 0;
+/// `Scratch::fib` holds the route, neighbour resolved.
+const ROUTE_RESOLVED: u32 = 1;
+/// `Scratch::fib` holds the route, neighbour to be resolved by the kernel.
+const ROUTE_UNRESOLVED: u32 = 2;
+
+const SNAT_RANGE: u32 = (SNAT_PORT_MAX - SNAT_PORT_MIN) as u32 + 1;
+
+/// `ferry_tc_ingress`.
+#[inline(always)]
+pub(crate) fn ingress(ctx: &TcContext) -> i32 {
+    let Some(pkt) = parse(ctx) else {
+        return OK;
+    };
+    let Some(s) = SCRATCH.get_ptr_mut(0) else {
+        return OK;
+    };
+    // SAFETY: per-CPU value, used by this program run only.
+    let s = unsafe { &mut *s };
+    // SAFETY: helper without preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+
+    // 1. A reply to a source-NATed flow (addressed to a node address and SNAT port).
+    s.rkey = ct::pkt_key(&pkt, CT_DIR_REPLY);
+    // SAFETY: plain data read; the copy is taken at once.
+    if let Some(r) = unsafe { CT.get(&s.rkey) } {
+        if r.flags & CT_F_SNAT != 0 {
+            s.reply = *r;
+            return reply_to_client(ctx, &pkt, s, now);
+        }
+    }
+
+    // 2. A known flow.
+    s.okey = ct::pkt_key(&pkt, CT_DIR_ORIGINAL);
+    if let Some(ptr) = CT.get_ptr_mut(&s.okey) {
+        // SAFETY: pointer from a successful lookup, valid for this program run.
+        let e = unsafe { &mut *ptr };
+        if fresh(e, pkt.proto, now) && (pkt.proto == PROTO_TCP || is_member(e)) {
+            touch(e, &pkt, false, now);
+            s.entry = *e;
+            s.route = ROUTE_NONE;
+            return forward(ctx, &pkt, s);
+        }
+        // Expired, or a UDP flow whose backend left the set: free its reply entry (and
+        // SNAT port) and select again as for a new flow.
+        s.entry = *e;
+        ct::forget_reply(&s.okey, &s.entry);
+    }
+
+    // 3. A new flow. Translated and sent on from here, so that the deepest call chain
+    // (and its stack) stays short.
+    s.route = ROUTE_NONE;
+    match new_flow(ctx, &pkt, s, now) {
+        FORWARD => forward(ctx, &pkt, s),
+        REFUSE => icmp::port_unreachable(ctx, &pkt),
+        verdict => verdict,
+    }
+}
+
+/// `ferry_tc_egress`: a local endpoint's reply leaves with the frontend as source.
+#[inline(always)]
+pub(crate) fn egress(ctx: &TcContext) -> i32 {
+    let Some(pkt) = parse(ctx) else {
+        return OK;
+    };
+    let rkey = ct::pkt_key(&pkt, CT_DIR_REPLY);
+    // SAFETY: plain data read; the copy is taken at once.
+    let r = match unsafe { CT.get(&rkey) } {
+        Some(r) => *r,
+        None => return OK,
+    };
+    if r.flags & CT_F_SNAT != 0 {
+        return OK;
+    }
+    // SAFETY: helper without preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    touch_original(&pkt, &r, now);
+    if nat::set_addr(ctx, &pkt, Side::Src, &pkt.saddr, &r.nat_addr).is_err()
+        || nat::set_port(ctx, &pkt, Side::Src, pkt.sport, r.nat_port).is_err()
+    {
+        return SHOT;
+    }
+    OK
+}
+
+/// Refreshes a flow's original entry from a packet in the reply direction.
+#[inline(always)]
+fn touch_original(pkt: &Pkt, r: &CtEntry, now: u64) {
+    let okey = ct::orig_key_of(pkt.proto, r);
+    if let Some(ptr) = CT.get_ptr_mut(&okey) {
+        // SAFETY: pointer from a successful lookup, valid for this program run.
+        touch(unsafe { &mut *ptr }, pkt, true, now);
+    }
+}
+
+/// A backend's reply to a source-NATed flow (`s.reply`): frontend as source, client as
+/// destination, then forwarded (its source is a node address: it must not reach the
+/// local stack).
+#[inline(never)]
+fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
+    let r = &s.reply;
+    touch_original(pkt, r, now);
+    if rewrite(ctx, pkt, &r.nat_addr, r.nat_port, &r.snat_addr, r.snat_port).is_err() {
+        return SHOT;
+    }
+    let iif = ingress_ifindex(ctx);
+    let Some(resolved) = fib::lookup(ctx, &mut s.fib, pkt.v6, &s.reply.nat_addr, &s.reply.snat_addr, iif)
+    else {
+        count(COUNT_FIB_FAIL);
+        return SHOT;
+    };
+    match fib::redirect(ctx, &s.fib, resolved) {
+        Some(v) => v,
+        None => {
+            count(COUNT_FIB_FAIL);
+            SHOT
+        }
+    }
+}
+
+/// Translates a packet of a flow as its original entry (`s.entry`) says and sends it on.
+/// `s.route` says whether `s.fib` already holds the route (new source-NATed flows).
+#[inline(never)]
+fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
+    let e = &s.entry;
+    let snat = e.flags & CT_F_SNAT != 0;
+    let (saddr, sport) = if snat {
+        (&e.snat_addr, e.snat_port)
+    } else {
+        (&pkt.saddr, pkt.sport)
+    };
+    if rewrite(ctx, pkt, saddr, sport, &e.nat_addr, e.nat_port).is_err() {
+        return SHOT;
+    }
+    if !snat {
+        // The client's own address is the source: the stack routes it to the endpoint
+        // (a local pod, or the host itself).
+        return OK;
+    }
+    let resolved = match s.route {
+        ROUTE_RESOLVED => true,
+        ROUTE_UNRESOLVED => false,
+        _ => {
+            let iif = ingress_ifindex(ctx);
+            match fib::lookup(ctx, &mut s.fib, pkt.v6, &s.entry.snat_addr, &s.entry.nat_addr, iif) {
+                Some(r) => r,
+                None => {
+                    count(COUNT_FIB_FAIL);
+                    return SHOT;
+                }
+            }
+        }
+    };
+    match fib::redirect(ctx, &s.fib, resolved) {
+        Some(v) => v,
+        None => {
+            count(COUNT_FIB_FAIL);
+            SHOT
+        }
+    }
+}
+
+#[inline(always)]
+fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: valid tc context.
+    unsafe { (*ctx.skb.skb).ifindex }
+}
+
+/// The flow's backend still belongs to its ServicePort.
+#[inline(always)]
+fn is_member(e: &CtEntry) -> bool {
+    let key = MemberKey {
+        svc_id: e.svc_id,
+        backend_id: e.backend_id,
+    };
+    // SAFETY: plain data read.
+    unsafe { MEMBERS.get(&key) }.is_some()
+}
+
+/// The client is inside the ServicePort's loadBalancerSourceRanges.
+#[inline(always)]
+fn in_source_ranges(svc_id: u32, client: &Addr) -> bool {
+    let key = Key::new(
+        32 + 128,
+        SourceRangeKey {
+            svc_id_be: svc_id.to_be(),
+            addr: *client,
+        },
+    );
+    SRC_RANGES.get(&key).is_some()
+}
+
+/// A packet without conntrack entry (`s.okey` is its original key): frontend lookup,
+/// refusal or backend selection, conntrack entries. Returns a tc verdict, or
+/// [`FORWARD`]: translate and send on as `s.entry` says, or [`REFUSE`]: answer with a
+/// port unreachable.
+#[inline(never)]
+fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
+    let skey = ServiceKey {
+        addr: pkt.daddr,
+        port: pkt.dport,
+        slot: 0,
+        proto: pkt.proto,
+        scope: SCOPE_EXTERNAL_ORIGIN,
+        _pad: [0; 2],
+    };
+    // SAFETY: plain data read; the copy is taken at once.
+    let svc = match unsafe { SERVICES.get(&skey) } {
+        Some(v) => *v,
+        None => return OK,
+    };
+    // Source ranges first: a client outside them learns nothing, not even "refused".
+    if svc.flags & SVC_F_SOURCE_RANGES != 0 && !in_source_ranges(svc.svc_id, &pkt.saddr) {
+        count(COUNT_SOURCE_RANGE_DROP);
+        return SHOT;
+    }
+    if svc.count == 0 {
+        if svc.flags & SVC_F_DROP != 0 {
+            count(COUNT_DROP_NO_LOCAL);
+            return SHOT;
+        }
+        // Refuse connection attempts and datagrams; other TCP segments of a flow we do
+        // not know are dropped (the client is told on its next SYN).
+        if pkt.proto == PROTO_TCP && !pkt.is_syn() {
+            return SHOT;
+        }
+        count(COUNT_EXT_ICMP_UNREACH);
+        return REFUSE;
+    }
+
+    // Maglev: the entry depends on the packet only.
+    let hash = flow_hash(&pkt.saddr, &pkt.daddr, pkt.sport, pkt.dport, pkt.proto);
+    // SAFETY: plain data read.
+    let Some(table) = (unsafe { MAGLEV.get(&svc.svc_id) }) else {
+        count(COUNT_BACKEND_MISSING);
+        warn!(ctx, "ferry tc: service id {} has no Maglev table", svc.svc_id);
+        return OK;
+    };
+    // The compiler turns `%` into a multiply the verifier cannot bound: hide the value's
+    // range from the compiler so that the bounds check stays in for the verifier.
+    // SAFETY: reads a local.
+    let slot = unsafe { core::ptr::read_volatile(&(hash % MAGLEV_TABLE_SIZE as u32)) } as usize;
+    let Some(&backend_id) = table.backend_ids.get(slot) else {
+        return OK;
+    };
+    // SAFETY: plain data read; the copy is taken at once.
+    let backend = match unsafe { BACKENDS.get(&backend_id) } {
+        Some(b) => *b,
+        None => {
+            count(COUNT_BACKEND_MISSING);
+            warn!(
+                ctx,
+                "ferry tc: service id {} backend {} missing", svc.svc_id, backend_id
+            );
+            return OK;
+        }
+    };
+    if addr_is_v4(&backend.addr) == pkt.v6 {
+        count(COUNT_BACKEND_MISSING);
+        warn!(
+            ctx,
+            "ferry tc: service id {} backend {} is of the other family", svc.svc_id, backend_id
+        );
+        return OK;
+    }
+
+    let local = backend.flags & BACKEND_F_LOCAL != 0;
+    let snat = svc.flags & SVC_F_LOCAL_POLICY == 0 && !local;
+    let flags = if local { CT_F_LOCAL_BACKEND } else { 0 };
+    s.entry = CtEntry {
+        last_seen_ns: now,
+        nat_addr: backend.addr,
+        snat_addr: [0; 4],
+        backend_id,
+        svc_id: svc.svc_id,
+        nat_port: backend.port,
+        snat_port: 0,
+        flags,
+        tcp_seen: ct::seen_bits(pkt, false),
+        _pad: [0; 2],
+    };
+    // The reply entry always names the client (snat_addr/snat_port) and the frontend.
+    s.reply = CtEntry {
+        last_seen_ns: now,
+        nat_addr: pkt.daddr,
+        snat_addr: pkt.saddr,
+        backend_id,
+        svc_id: svc.svc_id,
+        nat_port: pkt.dport,
+        snat_port: pkt.sport,
+        flags,
+        tcp_seen: 0,
+        _pad: [0; 2],
+    };
+    s.rkey = ct::key(
+        backend.addr,
+        pkt.saddr,
+        backend.port,
+        pkt.sport,
+        pkt.proto,
+        CT_DIR_REPLY,
+    );
+
+    if snat {
+        // Where does the backend live? The egress device decides the SNAT address.
+        let iif = ingress_ifindex(ctx);
+        let Some(r) = fib::lookup(ctx, &mut s.fib, pkt.v6, &pkt.saddr, &backend.addr, iif) else {
+            count(COUNT_FIB_FAIL);
+            return SHOT;
+        };
+        let akey = SnatAddrKey {
+            ifindex: s.fib.ifindex,
+            family: if pkt.v6 { FAMILY_V6 } else { FAMILY_V4 },
+        };
+        // SAFETY: plain data read; the copy is taken at once.
+        let Some(snat_addr) = (unsafe { SNAT_ADDRS.get(&akey) }).copied() else {
+            count(COUNT_FIB_FAIL);
+            warn!(
+                ctx,
+                "ferry tc: no source-NAT address for device {}", akey.ifindex
+            );
+            return SHOT;
+        };
+        s.reply.flags = flags | CT_F_SNAT;
+        s.entry.flags = flags | CT_F_SNAT;
+        s.entry.snat_addr = snat_addr;
+        s.rkey.daddr = snat_addr;
+        let Some(port) = alloc_port(s, hash, now) else {
+            count(COUNT_SNAT_EXHAUSTED);
+            return SHOT;
+        };
+        s.entry.snat_port = port;
+        s.route = if r { ROUTE_RESOLVED } else { ROUTE_UNRESOLVED };
+    } else if CT.insert(&s.rkey, &s.reply, 0).is_err() {
+        count(COUNT_CT_FULL);
+        return SHOT;
+    }
+    if CT.insert(&s.okey, &s.entry, 0).is_err() {
+        let _ = CT.remove(&s.rkey);
+        count(COUNT_CT_FULL);
+        return SHOT;
+    }
+    count(COUNT_EXT_XLATE);
+    count_service(svc.svc_id);
+    FORWARD
+}
+
+/// Reserves a source-NAT port by inserting the flow's reply entry (`s.reply`) under it
+/// (`s.rkey`, everything but the port filled in). Tries a bounded number of ports from
+/// a start that depends on the flow; a port whose flow is gone is taken over. Returns
+/// the port (network byte order).
+#[inline(always)]
+fn alloc_port(s: &mut Scratch, hash: u32, now: u64) -> Option<u16> {
+    let start = (hash ^ (hash >> 16)).wrapping_mul(0x9e37_79b1) >> 8;
+    let mut i = 0;
+    while i < SNAT_TRIES {
+        let port = SNAT_PORT_MIN + ((start.wrapping_add(i)) % SNAT_RANGE) as u16;
+        s.rkey.dport = port.to_be();
+        if CT.insert(&s.rkey, &s.reply, BPF_NOEXIST as u64).is_ok() {
+            return Some(s.rkey.dport);
+        }
+        // SAFETY: plain data read.
+        if let Some(old) = unsafe { CT.get(&s.rkey) } {
+            if ct::reply_is_stale(&s.rkey, old, now) {
+                let _ = CT.remove(&s.rkey);
+                if CT.insert(&s.rkey, &s.reply, BPF_NOEXIST as u64).is_ok() {
+                    return Some(s.rkey.dport);
+                }
+            }
+        }
+        i += 1;
+    }
+    None
+}

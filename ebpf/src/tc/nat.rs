@@ -1,0 +1,134 @@
+//! Address and port rewriting with incremental checksum updates.
+//!
+//! The kernel helpers keep the skb's checksum state right (CHECKSUM_PARTIAL packets from
+//! local veths, CHECKSUM_COMPLETE from NICs): `bpf_l3_csum_replace` for the IPv4 header,
+//! `bpf_l4_csum_replace` with `BPF_F_PSEUDO_HDR` for the TCP/UDP pseudo-header fields
+//! and `BPF_F_MARK_MANGLED_0` for UDP (a zero IPv4 UDP checksum means "none" and stays
+//! zero; a computed zero is written as 0xffff).
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::bpf_csum_diff,
+    programs::TcContext,
+};
+use ferry_common::{Addr, lb::PROTO_UDP};
+
+use super::parse::{ETH_HLEN, Pkt};
+
+/// `bpf_l4_csum_replace` flag (Linux 6.16+): the packet is IPv6, so a pseudo-header
+/// change must not be folded into a CHECKSUM_COMPLETE skb's `csum` (the IPv6 header has
+/// no checksum of its own to cancel it). Older kernels reject it; see [`l4_diff`].
+const BPF_F_IPV6: u64 = 1 << 7;
+const EINVAL: i64 = 22;
+
+/// Offsets of the source and destination address in the IPv4 and IPv6 headers.
+const V4_SADDR: u32 = ETH_HLEN + 12;
+const V4_DADDR: u32 = ETH_HLEN + 16;
+const V4_CSUM: u32 = ETH_HLEN + 10;
+const V6_SADDR: u32 = ETH_HLEN + 8;
+const V6_DADDR: u32 = ETH_HLEN + 24;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Src,
+    Dst,
+}
+
+#[inline(always)]
+fn l4_flags(pkt: &Pkt) -> u64 {
+    if pkt.proto == PROTO_UDP {
+        BPF_F_MARK_MANGLED_0 as u64
+    } else {
+        0
+    }
+}
+
+/// Writes one address of the packet (the family is the packet's).
+#[inline(always)]
+pub(crate) fn set_addr(
+    ctx: &TcContext,
+    pkt: &Pkt,
+    side: Side,
+    old: &Addr,
+    new: &Addr,
+) -> Result<(), i64> {
+    let csum_off = pkt.l4_csum_off() as usize;
+    if !pkt.v6 {
+        let off = if side == Side::Src { V4_SADDR } else { V4_DADDR } as usize;
+        let (from, to) = (old[3], new[3]);
+        ctx.store(off, &to, 0)?;
+        ctx.l3_csum_replace(V4_CSUM as usize, from as u64, to as u64, 4)?;
+        ctx.l4_csum_replace(
+            csum_off,
+            from as u64,
+            to as u64,
+            BPF_F_PSEUDO_HDR as u64 | l4_flags(pkt) | 4,
+        )
+    } else {
+        let off = if side == Side::Src { V6_SADDR } else { V6_DADDR } as usize;
+        ctx.store(off, new, 0)?;
+        // SAFETY: both buffers are 16 readable bytes on the stack.
+        let diff = unsafe {
+            bpf_csum_diff(
+                old.as_ptr() as *mut u32,
+                16,
+                new.as_ptr() as *mut u32,
+                16,
+                0,
+            )
+        };
+        if diff < 0 {
+            return Err(diff);
+        }
+        l4_diff(ctx, csum_off, diff as u64, l4_flags(pkt))
+    }
+}
+
+/// Applies a pseudo-header checksum difference to an IPv6 TCP/UDP checksum.
+#[inline(always)]
+fn l4_diff(ctx: &TcContext, csum_off: usize, diff: u64, flags: u64) -> Result<(), i64> {
+    let flags = flags | BPF_F_PSEUDO_HDR as u64;
+    match ctx.l4_csum_replace(csum_off, 0, diff, flags | BPF_F_IPV6) {
+        // A kernel without BPF_F_IPV6: the checksum field is still right; only a
+        // CHECKSUM_COMPLETE skb's csum goes stale (the stack then verifies in software).
+        Err(e) if e == -EINVAL => ctx.l4_csum_replace(csum_off, 0, diff, flags),
+        r => r,
+    }
+}
+
+/// Writes the source or destination port (network byte order).
+#[inline(always)]
+pub(crate) fn set_port(ctx: &TcContext, pkt: &Pkt, side: Side, old: u16, new: u16) -> Result<(), i64> {
+    if old == new {
+        return Ok(());
+    }
+    let off = (pkt.l4_off() + if side == Side::Src { 0 } else { 2 }) as usize;
+    ctx.store(off, &new, 0)?;
+    ctx.l4_csum_replace(
+        pkt.l4_csum_off() as usize,
+        old as u64,
+        new as u64,
+        l4_flags(pkt) | 2,
+    )
+}
+
+/// Rewrites the destination (DNAT) and, when given, the source (SNAT) of the packet.
+/// Returns the packet as it now is.
+#[inline(always)]
+pub(crate) fn rewrite(
+    ctx: &TcContext,
+    pkt: &Pkt,
+    saddr: &Addr,
+    sport: u16,
+    daddr: &Addr,
+    dport: u16,
+) -> Result<(), i64> {
+    if *daddr != pkt.daddr {
+        set_addr(ctx, pkt, Side::Dst, &pkt.daddr, daddr)?;
+    }
+    set_port(ctx, pkt, Side::Dst, pkt.dport, dport)?;
+    if *saddr != pkt.saddr {
+        set_addr(ctx, pkt, Side::Src, &pkt.saddr, saddr)?;
+    }
+    set_port(ctx, pkt, Side::Src, pkt.sport, sport)
+}

@@ -1,0 +1,158 @@
+//! Header parsing: Ethernet, IPv4 (any IHL) or IPv6 (no extension headers), TCP or UDP.
+//! Everything else (other ethertypes, fragments, other protocols) is not a flow the tc
+//! path handles and passes untouched.
+
+use aya_ebpf::programs::TcContext;
+use ferry_common::{
+    Addr, addr_from_v4_be,
+    lb::{PROTO_TCP, PROTO_UDP},
+};
+
+/// Ethernet header length; the IP header starts here.
+pub(crate) const ETH_HLEN: u32 = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+/// Fragment offset and More Fragments bits of the IPv4 `frag_off` field.
+const IP_FRAG_MASK: u16 = 0x3fff;
+
+pub(crate) const TCP_FIN: u8 = 0x01;
+pub(crate) const TCP_SYN: u8 = 0x02;
+pub(crate) const TCP_RST: u8 = 0x04;
+pub(crate) const TCP_ACK: u8 = 0x10;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct Ipv4Hdr {
+    pub(crate) ver_ihl: u8,
+    pub(crate) tos: u8,
+    pub(crate) tot_len: u16,
+    pub(crate) id: u16,
+    pub(crate) frag_off: u16,
+    pub(crate) ttl: u8,
+    pub(crate) proto: u8,
+    pub(crate) csum: u16,
+    pub(crate) saddr: u32,
+    pub(crate) daddr: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct Ipv6Hdr {
+    pub(crate) ver_tc_flow: u32,
+    pub(crate) payload_len: u16,
+    pub(crate) nexthdr: u8,
+    pub(crate) hop_limit: u8,
+    pub(crate) saddr: Addr,
+    pub(crate) daddr: Addr,
+}
+
+/// The first 14 bytes of a TCP header (through the flags); a UDP header is 8.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct L4Head {
+    sport: u16,
+    dport: u16,
+    _seq_or_len_csum: u32,
+    _ack: u32,
+    _doff: u8,
+    flags: u8,
+}
+
+/// One parsed TCP or UDP packet. Addresses and ports as the maps store them (network
+/// byte order, IPv4 mapped).
+#[derive(Clone, Copy)]
+pub(crate) struct Pkt {
+    pub(crate) v6: bool,
+    pub(crate) proto: u8,
+    /// TCP flags (0 for UDP).
+    pub(crate) tcp_flags: u8,
+    /// IPv4 header length (IHL * 4) or 40.
+    pub(crate) ip_hlen: u32,
+    /// IP packet length (header included), from the IP header.
+    pub(crate) ip_len: u32,
+    pub(crate) saddr: Addr,
+    pub(crate) daddr: Addr,
+    pub(crate) sport: u16,
+    pub(crate) dport: u16,
+}
+
+impl Pkt {
+    /// Offset of the TCP or UDP header.
+    #[inline(always)]
+    pub(crate) fn l4_off(&self) -> u32 {
+        ETH_HLEN + self.ip_hlen
+    }
+
+    /// Offset of the TCP or UDP checksum.
+    #[inline(always)]
+    pub(crate) fn l4_csum_off(&self) -> u32 {
+        self.l4_off() + if self.proto == PROTO_TCP { 16 } else { 6 }
+    }
+
+    /// A TCP SYN that opens a connection (no ACK).
+    #[inline(always)]
+    pub(crate) fn is_syn(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+}
+
+/// Parses the packet, or `None` when the tc path has nothing to do with it.
+#[inline(always)]
+pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
+    // SAFETY: the kernel hands every tc program a valid skb for its run.
+    let protocol = u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16);
+    let mut pkt = match protocol {
+        ETH_P_IP => {
+            let ip: Ipv4Hdr = ctx.load(ETH_HLEN as usize).ok()?;
+            let ihl = (ip.ver_ihl & 0x0f) as u32;
+            if ip.ver_ihl >> 4 != 4 || ihl < 5 || u16::from_be(ip.frag_off) & IP_FRAG_MASK != 0 {
+                return None;
+            }
+            Pkt {
+                v6: false,
+                proto: ip.proto,
+                tcp_flags: 0,
+                ip_hlen: ihl * 4,
+                ip_len: u16::from_be(ip.tot_len) as u32,
+                saddr: addr_from_v4_be(ip.saddr),
+                daddr: addr_from_v4_be(ip.daddr),
+                sport: 0,
+                dport: 0,
+            }
+        }
+        ETH_P_IPV6 => {
+            let ip: Ipv6Hdr = ctx.load(ETH_HLEN as usize).ok()?;
+            if u32::from_be(ip.ver_tc_flow) >> 28 != 6 {
+                return None;
+            }
+            // Extension headers (fragments included) are not parsed: such packets pass.
+            Pkt {
+                v6: true,
+                proto: ip.nexthdr,
+                tcp_flags: 0,
+                ip_hlen: 40,
+                ip_len: 40 + u16::from_be(ip.payload_len) as u32,
+                saddr: ip.saddr,
+                daddr: ip.daddr,
+                sport: 0,
+                dport: 0,
+            }
+        }
+        _ => return None,
+    };
+    match pkt.proto {
+        PROTO_TCP => {
+            let l4: L4Head = ctx.load(pkt.l4_off() as usize).ok()?;
+            pkt.sport = l4.sport;
+            pkt.dport = l4.dport;
+            pkt.tcp_flags = l4.flags;
+        }
+        PROTO_UDP => {
+            let ports: [u16; 2] = ctx.load(pkt.l4_off() as usize).ok()?;
+            pkt.sport = ports[0];
+            pkt.dport = ports[1];
+        }
+        _ => return None,
+    }
+    Some(pkt)
+}
