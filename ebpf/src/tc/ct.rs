@@ -4,8 +4,8 @@ use ferry_common::{
     Addr,
     ct::{
         CT_DIR_ORIGINAL, CT_DIR_REPLY, CT_F_SNAT, CT_TCP_SEEN_FIN, CT_TCP_SEEN_REPLY,
-        CT_TCP_SEEN_RST, CT_TCP_SEEN_SYN, CT_TIMEOUT_TCP_CLOSING_NS,
-        CT_TIMEOUT_TCP_ESTABLISHED_NS, CT_TIMEOUT_TCP_SYN_NS, CT_TIMEOUT_UDP_NS, CtEntry, CtKey,
+        CT_TCP_SEEN_RST, CT_TCP_SEEN_SYN, CT_TIMEOUT_TCP_CLOSING_NS, CT_TIMEOUT_TCP_ESTABLISHED_NS,
+        CT_TIMEOUT_TCP_SYN_NS, CT_TIMEOUT_UDP_NS, CtEntry, CtKey,
     },
     lb::PROTO_TCP,
 };
@@ -46,7 +46,14 @@ pub(crate) fn reply_key_of(orig: &CtKey, e: &CtEntry) -> CtKey {
     } else {
         (orig.saddr, orig.sport)
     };
-    key(e.nat_addr, daddr, e.nat_port, dport, orig.proto, CT_DIR_REPLY)
+    key(
+        e.nat_addr,
+        daddr,
+        e.nat_port,
+        dport,
+        orig.proto,
+        CT_DIR_REPLY,
+    )
 }
 
 /// The original key of a flow from its reply entry: client -> frontend. The reply

@@ -104,7 +104,11 @@ fn build(ctx: &TcContext, pkt: &Pkt) -> Option<()> {
     // so that the checksum helper can sum it.
     let avail = ctx.len().checked_sub(ETH_HLEN)?;
     let mut q = if pkt.v6 {
-        let mut q = if pkt.ip_len < avail { pkt.ip_len } else { avail };
+        let mut q = if pkt.ip_len < avail {
+            pkt.ip_len
+        } else {
+            avail
+        };
         if q > ICMP_QUOTE_MAX as u32 {
             q = ICMP_QUOTE_MAX as u32;
         }

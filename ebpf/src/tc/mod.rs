@@ -156,12 +156,20 @@ fn touch_original(pkt: &Pkt, r: &CtEntry, now: u64) {
 fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     let r = &s.reply;
     touch_original(pkt, r, now);
-    if rewrite(ctx, pkt, &r.nat_addr, r.nat_port, &r.snat_addr, r.snat_port).is_err() {
+    if rewrite(ctx, pkt, &r.nat_addr, r.nat_port, &r.snat_addr, r.snat_port).is_err()
+        || nat::dec_ttl(ctx, pkt).is_err()
+    {
         return SHOT;
     }
     let iif = ingress_ifindex(ctx);
-    let Some(resolved) = fib::lookup(ctx, &mut s.fib, pkt.v6, &s.reply.nat_addr, &s.reply.snat_addr, iif)
-    else {
+    let Some(resolved) = fib::lookup(
+        ctx,
+        &mut s.fib,
+        pkt.v6,
+        &s.reply.nat_addr,
+        &s.reply.snat_addr,
+        iif,
+    ) else {
         count(COUNT_FIB_FAIL);
         return SHOT;
     };
@@ -193,12 +201,22 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
         // (a local pod, or the host itself).
         return OK;
     }
+    if nat::dec_ttl(ctx, pkt).is_err() {
+        return SHOT;
+    }
     let resolved = match s.route {
         ROUTE_RESOLVED => true,
         ROUTE_UNRESOLVED => false,
         _ => {
             let iif = ingress_ifindex(ctx);
-            match fib::lookup(ctx, &mut s.fib, pkt.v6, &s.entry.snat_addr, &s.entry.nat_addr, iif) {
+            match fib::lookup(
+                ctx,
+                &mut s.fib,
+                pkt.v6,
+                &s.entry.snat_addr,
+                &s.entry.nat_addr,
+                iif,
+            ) {
                 Some(r) => r,
                 None => {
                     count(COUNT_FIB_FAIL);
@@ -289,7 +307,10 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     // SAFETY: plain data read.
     let Some(table) = (unsafe { MAGLEV.get(&svc.svc_id) }) else {
         count(COUNT_BACKEND_MISSING);
-        warn!(ctx, "ferry tc: service id {} has no Maglev table", svc.svc_id);
+        warn!(
+            ctx,
+            "ferry tc: service id {} has no Maglev table", svc.svc_id
+        );
         return OK;
     };
     // The compiler turns `%` into a multiply the verifier cannot bound: hide the value's

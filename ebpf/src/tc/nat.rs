@@ -25,6 +25,8 @@ const EINVAL: i64 = 22;
 const V4_SADDR: u32 = ETH_HLEN + 12;
 const V4_DADDR: u32 = ETH_HLEN + 16;
 const V4_CSUM: u32 = ETH_HLEN + 10;
+const V4_TTL: u32 = ETH_HLEN + 8;
+const V6_HOP_LIMIT: u32 = ETH_HLEN + 7;
 const V6_SADDR: u32 = ETH_HLEN + 8;
 const V6_DADDR: u32 = ETH_HLEN + 24;
 
@@ -54,7 +56,11 @@ pub(crate) fn set_addr(
 ) -> Result<(), i64> {
     let csum_off = pkt.l4_csum_off() as usize;
     if !pkt.v6 {
-        let off = if side == Side::Src { V4_SADDR } else { V4_DADDR } as usize;
+        let off = if side == Side::Src {
+            V4_SADDR
+        } else {
+            V4_DADDR
+        } as usize;
         let (from, to) = (old[3], new[3]);
         ctx.store(off, &to, 0)?;
         ctx.l3_csum_replace(V4_CSUM as usize, from as u64, to as u64, 4)?;
@@ -65,7 +71,11 @@ pub(crate) fn set_addr(
             BPF_F_PSEUDO_HDR as u64 | l4_flags(pkt) | 4,
         )
     } else {
-        let off = if side == Side::Src { V6_SADDR } else { V6_DADDR } as usize;
+        let off = if side == Side::Src {
+            V6_SADDR
+        } else {
+            V6_DADDR
+        } as usize;
         ctx.store(off, new, 0)?;
         // SAFETY: both buffers are 16 readable bytes on the stack.
         let diff = unsafe {
@@ -98,7 +108,13 @@ fn l4_diff(ctx: &TcContext, csum_off: usize, diff: u64, flags: u64) -> Result<()
 
 /// Writes the source or destination port (network byte order).
 #[inline(always)]
-pub(crate) fn set_port(ctx: &TcContext, pkt: &Pkt, side: Side, old: u16, new: u16) -> Result<(), i64> {
+pub(crate) fn set_port(
+    ctx: &TcContext,
+    pkt: &Pkt,
+    side: Side,
+    old: u16,
+    new: u16,
+) -> Result<(), i64> {
     if old == new {
         return Ok(());
     }
@@ -131,4 +147,23 @@ pub(crate) fn rewrite(
         set_addr(ctx, pkt, Side::Src, &pkt.saddr, saddr)?;
     }
     set_port(ctx, pkt, Side::Src, pkt.sport, sport)
+}
+
+/// Decrements the TTL / hop limit of a packet the program forwards itself (the stack
+/// would have), so that a routing loop still ends. `Err` when it has run out: the packet
+/// is to be dropped.
+#[inline(always)]
+pub(crate) fn dec_ttl(ctx: &TcContext, pkt: &Pkt) -> Result<(), i64> {
+    if pkt.ttl <= 1 {
+        return Err(0);
+    }
+    let ttl = pkt.ttl - 1;
+    if pkt.v6 {
+        return ctx.store(V6_HOP_LIMIT as usize, &ttl, 0);
+    }
+    // The checksum covers TTL and protocol as one 16-bit word.
+    let old = u16::from_be_bytes([pkt.ttl, pkt.proto]).to_be();
+    let new = u16::from_be_bytes([ttl, pkt.proto]).to_be();
+    ctx.store(V4_TTL as usize, &ttl, 0)?;
+    ctx.l3_csum_replace(V4_CSUM as usize, old as u64, new as u64, 2)
 }

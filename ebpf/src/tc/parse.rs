@@ -70,6 +70,8 @@ pub(crate) struct Pkt {
     pub(crate) ip_hlen: u32,
     /// IP packet length (header included), from the IP header.
     pub(crate) ip_len: u32,
+    /// IPv4 TTL or IPv6 hop limit.
+    pub(crate) ttl: u8,
     pub(crate) saddr: Addr,
     pub(crate) daddr: Addr,
     pub(crate) sport: u16,
@@ -114,6 +116,7 @@ pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
                 tcp_flags: 0,
                 ip_hlen: ihl * 4,
                 ip_len: u16::from_be(ip.tot_len) as u32,
+                ttl: ip.ttl,
                 saddr: addr_from_v4_be(ip.saddr),
                 daddr: addr_from_v4_be(ip.daddr),
                 sport: 0,
@@ -132,6 +135,7 @@ pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
                 tcp_flags: 0,
                 ip_hlen: 40,
                 ip_len: 40 + u16::from_be(ip.payload_len) as u32,
+                ttl: ip.hop_limit,
                 saddr: ip.saddr,
                 daddr: ip.daddr,
                 sport: 0,
