@@ -1,5 +1,6 @@
-//! `cargo xtask bench <name>`: builds everything, then runs `target/release/ferry-bench`
-//! (docs/benchmarks.md).
+//! `cargo xtask bench [name] [--quick] [-- flags]`: builds everything, then runs
+//! `target/release/ferry-bench` (docs/benchmarks.md). Without a name it runs all three
+//! benchmarks and prints one table of every target.
 
 use std::process::Command;
 
@@ -7,17 +8,23 @@ use anyhow::{Result, bail};
 
 use crate::build::{self, workspace_root};
 
-/// The benchmarks `ferry-bench` knows.
-pub(crate) const BENCHMARKS: [&str; 1] = ["control-plane"];
+/// The benchmarks `ferry-bench` knows; `all` runs the other three.
+pub(crate) const BENCHMARKS: [&str; 4] = [
+    "all",
+    "control-plane",
+    "datapath-clusterip",
+    "datapath-external",
+];
 
-pub(crate) fn run(name: &str, extra: &[String]) -> Result<()> {
+pub(crate) fn run(name: Option<&str>, quick: bool, extra: &[String]) -> Result<()> {
+    let name = name.unwrap_or("all");
     if !BENCHMARKS.contains(&name) {
         bail!("no benchmark {name:?}; known: {}", BENCHMARKS.join(", "));
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { geteuid() } != 0 {
         bail!(
-            "the {name} benchmark loads BPF programs and creates cgroups: run `sudo cargo xtask bench {name}`"
+            "the {name} benchmark loads BPF programs and creates namespaces and cgroups: run `sudo cargo xtask bench {name}`"
         );
     }
     build::all()?;
@@ -27,6 +34,13 @@ pub(crate) fn run(name: &str, extra: &[String]) -> Result<()> {
         .args(["--out".as_ref(), root.join("target/bench").as_os_str()])
         .args(extra)
         .env("FERRY_BIN", root.join("target/release/ferry"));
+    if quick && !extra.iter().any(|a| a == "--quick") {
+        if name == "control-plane" {
+            cmd.args(["--scale", "10000x10", "--runs", "1", "--changes", "20"]);
+        } else {
+            cmd.arg("--quick");
+        }
+    }
     let status = cmd
         .status()
         .map_err(|e| anyhow::anyhow!("the {name} benchmark: could not start {cmd:?}: {e}"))?;

@@ -33,10 +33,14 @@ enum Cmd {
     },
     /// Show ferry at work in a small world of network namespaces (root).
     Demo,
-    /// Build everything, then run a benchmark (root): `control-plane`.
+    /// Build everything, then run the benchmarks (root): all of them, or one of
+    /// `control-plane`, `datapath-clusterip`, `datapath-external`.
     Bench {
-        /// Which benchmark: control-plane.
-        name: String,
+        /// Which benchmark (default: all three, with one table of every target).
+        name: Option<String>,
+        /// Fewer scales and shorter runs, for development (not for published figures).
+        #[arg(long)]
+        quick: bool,
         /// Extra arguments for `ferry-bench` (e.g. `--scale 10000x10 --runs 5`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -50,6 +54,6 @@ fn main() -> Result<()> {
         Cmd::Build => build::all(),
         Cmd::Test { unit_only, filter } => build::test(unit_only, filter.as_deref()),
         Cmd::Demo => build::demo(),
-        Cmd::Bench { name, args } => bench::run(&name, &args),
+        Cmd::Bench { name, quick, args } => bench::run(name.as_deref(), quick, &args),
     }
 }

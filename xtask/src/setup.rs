@@ -4,7 +4,7 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
-/// Debian packages the build, the tests and the demo use.
+/// Debian packages the build, the tests, the demo and the benchmarks use.
 pub(crate) const PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -16,6 +16,11 @@ pub(crate) const PACKAGES: &[&str] = &[
     "socat",
     "procps",
     "util-linux",
+    // Benchmarks (docs/benchmarks.md): the kube-proxy layouts, iperf3, the plots' font.
+    "iptables",
+    "nftables",
+    "iperf3",
+    "fonts-dejavu-core",
 ];
 
 pub(crate) const LINKER_INSTALL: &str = "LLVM_SYS_221_PREFIX=/usr/lib/llvm-22 PATH=/usr/lib/llvm-22/bin:$PATH \

@@ -43,6 +43,8 @@ use ferry_tests::{
 };
 use serde_json::{Value, json};
 
+use crate::util::{machine, median, min_max, percentile, revision};
+
 const USAGE: &str = "usage: ferry-bench control-plane [--scale SxE]... [--runs N] [--changes N] [--out DIR] [--log-level FILTER]";
 
 /// Targets from the issue.
@@ -82,13 +84,8 @@ struct Args {
     log_level: String,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut it = std::env::args().skip(1);
-    match it.next().as_deref() {
-        Some("control-plane") => {}
-        Some("-h" | "--help") | None => return Err(String::new()),
-        Some(other) => return Err(format!("unknown benchmark {other:?}")),
-    }
+fn parse_args(argv: &[String]) -> Result<Args, String> {
+    let mut it = argv.iter().cloned();
     let mut a = Args {
         scales: Vec::new(),
         runs: 3,
@@ -179,31 +176,16 @@ fn teardown(agent: Option<i32>, bpffs: &Path, cgroup: &Path) {
     }
 }
 
-fn install_signal_teardown() {
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: plain sigset manipulation on our own stack value; blocking the signals in
-    // every thread so that only the waiter below receives them (children get a clean
-    // mask from std's spawn).
-    unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+/// Ctrl-C: removes the agents, pins, cgroups and scratch directory of running runs
+/// (called from the benchmark's one signal thread, `cleanup::install_signal_handler`).
+pub(crate) fn on_signal() {
+    let active = ACTIVE.lock().unwrap_or_else(|e| e.into_inner());
+    for a in active.iter() {
+        teardown(a.agent, &a.bpffs, &a.cgroup);
     }
-    std::thread::spawn(move || {
-        let mut sig = 0;
-        // SAFETY: waits on the signals blocked above.
-        unsafe { libc::sigwait(&set, &mut sig) };
-        eprintln!("\nferry-bench: interrupted, removing agents, pins and cgroups");
-        let active = ACTIVE.lock().unwrap_or_else(|e| e.into_inner());
-        for a in active.iter() {
-            teardown(a.agent, &a.bpffs, &a.cgroup);
-        }
-        if let Some(w) = WORKDIR.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            let _ = fs::remove_dir_all(w);
-        }
-        std::process::exit(130);
-    });
+    if let Some(w) = WORKDIR.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        let _ = fs::remove_dir_all(w);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -480,54 +462,6 @@ fn fakeapi_cpu_seconds() -> f64 {
         .sum()
 }
 
-fn machine() -> Value {
-    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_string())
-        .unwrap_or_else(|| "unknown".into());
-    let nproc = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(0);
-    let mem_kib = fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .unwrap_or(0);
-    json!({"kernel": kernel, "nproc": nproc, "cpu": model, "mem_total_kib": mem_kib})
-}
-
-/// Which code was measured: the commit and the uncommitted paths of the agent's crates
-/// (read-only git queries; empty when git is missing).
-fn revision() -> Value {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let git = |args: &[&str]| {
-        Command::new("git")
-            .arg("-C")
-            .arg(&root)
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default()
-    };
-    let dirty: Vec<String> = git(&["status", "--porcelain", "--", "agent", "common", "ebpf"])
-        .lines()
-        .map(|l| l.trim().to_string())
-        .collect();
-    json!({"commit": git(&["rev-parse", "--short", "HEAD"]), "uncommitted": dirty})
-}
-
 // ---------------------------------------------------------------------------------------
 // The agent's log
 
@@ -582,39 +516,6 @@ fn now_us() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_micros() as i64)
         .unwrap_or(0)
-}
-
-// ---------------------------------------------------------------------------------------
-// Statistics
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    // Nearest rank.
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
-    sorted[rank.min(sorted.len()) - 1]
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    let n = s.len();
-    if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        (s[n / 2 - 1] + s[n / 2]) / 2.0
-    }
-}
-
-fn min_max(v: &[f64]) -> (f64, f64) {
-    v.iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
-            (lo.min(*x), hi.max(*x))
-        })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1182,8 +1083,8 @@ fn report(machine: &Value, results: &[Value]) -> String {
     s
 }
 
-fn main() -> ExitCode {
-    let args = match parse_args() {
+pub(crate) fn main(argv: &[String]) -> ExitCode {
+    let args = match parse_args(argv) {
         Ok(a) => a,
         Err(e) => {
             if !e.is_empty() {
@@ -1207,7 +1108,6 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    install_signal_teardown();
     let workdir = std::env::temp_dir().join(format!("ferry-bench-{}", std::process::id()));
     *WORKDIR.lock().unwrap() = Some(workdir.clone());
     let scratch = WorkDir(workdir.clone());
