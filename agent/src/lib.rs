@@ -10,6 +10,7 @@ pub mod agent;
 pub mod dataplane;
 pub mod engine;
 pub mod explain;
+pub mod healthcheck;
 pub mod http;
 pub mod list;
 pub mod model;
