@@ -5,9 +5,11 @@
 //! Kernel tests never skip: when root, BPF, netns or cgroup v2 is missing they fail
 //! with the reason.
 
+pub mod cluster;
 pub mod fakeapi;
 pub mod manifests;
 pub mod world;
 
+pub use cluster::*;
 pub use manifests::*;
 pub use world::*;

@@ -106,3 +106,49 @@ pub fn with_port_fields(doc: &str, port: u16, fields: &str) -> String {
     assert!(doc.contains(&needle), "no port {port} in {doc}");
     doc.replacen(&needle, &format!("{needle}{fields}"), 1)
 }
+
+/// A Service port with a nodePort: (name, port, protocol, nodePort).
+pub type NodePortSpec<'a> = (&'a str, u16, &'a str, u16);
+
+/// A NodePort or LoadBalancer Service (`svc_type`): every port gets its nodePort;
+/// `extra_spec` is indented YAML under `spec:` (e.g. `"  externalTrafficPolicy: Local\n"`)
+/// and `status` a top-level `status:` block (see [`lb_status`]) or "".
+pub fn external_service(
+    name: &str,
+    svc_type: &str,
+    cluster_ips: &[&str],
+    ports: &[NodePortSpec<'_>],
+    extra_spec: &str,
+    status: &str,
+) -> String {
+    let plain: Vec<Port<'_>> = ports.iter().map(|(n, p, pr, _)| (*n, *p, *pr)).collect();
+    let mut s = service(
+        name,
+        cluster_ips,
+        &plain,
+        &format!("  type: {svc_type}\n{extra_spec}"),
+    );
+    // Port entries appear in order: insert each nodePort after its protocol line.
+    let mut at = s.find("  ports:\n").expect("ports");
+    for (_, _, proto, node_port) in ports {
+        let entry = format!("    protocol: {proto}\n");
+        at += s[at..].find(&entry).expect("port entry") + entry.len();
+        let line = format!("    nodePort: {node_port}\n");
+        s.insert_str(at, &line);
+        at += line.len();
+    }
+    s.push_str(status);
+    s
+}
+
+/// `status.loadBalancer.ingress` with (ip, ipMode); an empty ipMode leaves the field out.
+pub fn lb_status(ingress: &[(&str, &str)]) -> String {
+    let mut s = String::from("status:\n  loadBalancer:\n    ingress:\n");
+    for (ip, mode) in ingress {
+        let _ = writeln!(s, "    - ip: {ip}");
+        if !mode.is_empty() {
+            let _ = writeln!(s, "      ipMode: {mode}");
+        }
+    }
+    s
+}

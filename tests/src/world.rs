@@ -92,7 +92,8 @@ pub fn sh(cmd: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn sh_quiet(cmd: &str) {
+/// Runs a shell command, ignoring its output and status (teardown).
+pub fn sh_quiet(cmd: &str) {
     let _ = Command::new("bash")
         .args(["-c", cmd])
         .stdout(Stdio::null())

@@ -15,6 +15,12 @@
 //!   one connected UDP socket, a query every 50 ms, one line per query (with `seq`, `op`,
 //!   `local` and `t_ms` since start). On any error it closes the socket and connects a new
 //!   one to ADDR (a `"op":"connect"` line), as a resolver does, then goes on querying.
+//! - `ferry-probe udp-ports ADDR FIRST COUNT`: COUNT connected sockets, bound to the
+//!   source ports FIRST, FIRST+1, ...: one datagram each, one line each (`from` = the
+//!   local address), so a test can follow fixed 5-tuples across a change.
+//!
+//! `FERRY_PROBE_PAYLOAD` replaces the `hi` that `tcp`, `udp`, `udp-connected`,
+//! `udp-ports` send (`whoami` makes ferry-testsrv answer with the address it sees).
 
 use std::{
     io::{BufRead, BufReader, Write},
@@ -35,6 +41,11 @@ struct Outcome {
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 
+/// What `tcp`, `udp` and `udp-ports` send (a line for TCP).
+fn payload() -> String {
+    std::env::var("FERRY_PROBE_PAYLOAD").unwrap_or_else(|_| "hi".into())
+}
+
 fn fail(e: std::io::Error, started: Instant) -> Outcome {
     Outcome {
         errno: e.raw_os_error(),
@@ -53,7 +64,7 @@ fn tcp(addr: SocketAddr) -> Outcome {
     let peer = s.peer_addr().ok().map(|p| p.to_string());
     s.set_read_timeout(Some(TIMEOUT)).ok();
     let mut w = s.try_clone().expect("clone");
-    if let Err(e) = w.write_all(b"hi\n") {
+    if let Err(e) = w.write_all(format!("{}\n", payload()).as_bytes()) {
         return fail(e, t);
     }
     let mut line = String::new();
@@ -92,7 +103,7 @@ fn udp(addr: SocketAddr, connected: bool) -> Outcome {
         let mut buf = [0u8; 2048];
         if connected {
             s.connect(addr)?;
-            s.send(b"hi")?;
+            s.send(payload().as_bytes())?;
             let (n, from) = s.recv_from(&mut buf)?;
             let peer = s.peer_addr().ok().map(|p| p.to_string());
             return Ok(Outcome {
@@ -103,7 +114,7 @@ fn udp(addr: SocketAddr, connected: bool) -> Outcome {
                 ..Default::default()
             });
         }
-        s.send_to(b"hi", addr)?;
+        s.send_to(payload().as_bytes(), addr)?;
         let (n, from) = s.recv_from(&mut buf)?;
         Ok(Outcome {
             ok: true,
@@ -147,6 +158,36 @@ fn udp_multi(addr: SocketAddr, count: usize) {
             },
             Err(e) => fail(e, t),
         };
+        println!("{}", serde_json::to_string(&out).unwrap());
+    }
+}
+
+/// One connected socket per source port in `first..first+count`, one datagram each.
+fn udp_ports(addr: SocketAddr, first: u16, count: u16) {
+    for port in first..first.saturating_add(count) {
+        let t = Instant::now();
+        let run = || -> std::io::Result<Outcome> {
+            let local: SocketAddr = if addr.is_ipv4() {
+                ([0, 0, 0, 0], port).into()
+            } else {
+                (std::net::Ipv6Addr::UNSPECIFIED, port).into()
+            };
+            let s = UdpSocket::bind(local)?;
+            s.set_read_timeout(Some(TIMEOUT))?;
+            s.connect(addr)?;
+            s.send(payload().as_bytes())?;
+            let mut buf = [0u8; 2048];
+            let n = s.recv(&mut buf)?;
+            Ok(Outcome {
+                ok: true,
+                reply: Some(String::from_utf8_lossy(&buf[..n]).into()),
+                peer: s.peer_addr().ok().map(|p| p.to_string()),
+                from: s.local_addr().ok().map(|p| p.to_string()),
+                ms: t.elapsed().as_millis(),
+                ..Default::default()
+            })
+        };
+        let out = run().unwrap_or_else(|e| fail(e, t));
         println!("{}", serde_json::to_string(&out).unwrap());
     }
 }
@@ -331,6 +372,11 @@ fn main() {
     }
     if mode == "udp-multi" {
         return udp_multi(addr, count);
+    }
+    if mode == "udp-ports" {
+        let first: u16 = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(40000);
+        let count: u16 = args.get(3).and_then(|c| c.parse().ok()).unwrap_or(1);
+        return udp_ports(addr, first, count);
     }
     if mode == "udp-session" {
         return udp_session(addr);

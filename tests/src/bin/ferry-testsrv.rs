@@ -3,12 +3,27 @@
 //! `ferry-testsrv NAME PORT...` listens on [::] (dual-stack) TCP and UDP on every PORT.
 //! TCP: each line received is answered `NAME <line>`; a request starting with `GET ` is
 //! answered as HTTP/1.0 with body `NAME`. UDP: each datagram is answered `NAME <payload>`.
+//!
+//! `whoami` (a TCP line, a UDP datagram, or `GET /whoami`) is answered `NAME <peer>`:
+//! the client address and port as the server sees them (IPv4-mapped addresses are
+//! printed as IPv4), so a test can tell whether the source was translated.
 
 use std::{
     io::{BufRead, BufReader, Write},
-    net::{TcpListener, UdpSocket},
+    net::{SocketAddr, TcpListener, UdpSocket},
     thread,
 };
+
+/// The peer as a test expects to read it: `1.2.3.4:5` for an IPv4(-mapped) client.
+fn peer(a: SocketAddr) -> String {
+    match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::from((v4, v6.port())).to_string(),
+            None => a.to_string(),
+        },
+        SocketAddr::V4(_) => a.to_string(),
+    }
+}
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -36,11 +51,16 @@ fn serve_tcp(l: TcpListener, name: String) {
         let name = name.clone();
         thread::spawn(move || {
             let mut w = s.try_clone().expect("clone");
+            let who = s.peer_addr().map(peer).unwrap_or_default();
             let r = BufReader::new(s);
             for line in r.lines() {
                 let Ok(line) = line else { break };
                 if line.starts_with("GET ") {
-                    let body = format!("{name}\n");
+                    let body = if line.starts_with("GET /whoami") {
+                        format!("{name} {who}\n")
+                    } else {
+                        format!("{name}\n")
+                    };
                     let _ = write!(
                         w,
                         "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
@@ -48,7 +68,8 @@ fn serve_tcp(l: TcpListener, name: String) {
                     );
                     break;
                 }
-                if writeln!(w, "{name} {line}").is_err() {
+                let out = if line == "whoami" { &who } else { &line };
+                if writeln!(w, "{name} {out}").is_err() {
                     break;
                 }
             }
@@ -62,7 +83,12 @@ fn serve_udp(s: UdpSocket, name: String) {
         let Ok((n, from)) = s.recv_from(&mut buf) else {
             continue;
         };
-        let reply = format!("{name} {}", String::from_utf8_lossy(&buf[..n]));
+        let payload = &buf[..n];
+        let reply = if payload == b"whoami" {
+            format!("{name} {}", peer(from))
+        } else {
+            format!("{name} {}", String::from_utf8_lossy(payload))
+        };
         let _ = s.send_to(reply.as_bytes(), from);
     }
 }
