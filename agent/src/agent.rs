@@ -21,11 +21,13 @@ use tracing::{error, info, warn};
 
 use crate::{
     dataplane::{
-        self, Capacity, KernelMaps, LoadOptions, Plan, PlanError, Programmed, loader::LoaderError,
+        self, Capacity, KernelMaps, LoadOptions, Plan, PlanError, Programmed, external::External,
+        loader::LoaderError,
     },
     engine::{Dirty, Engine, node_eligible},
+    healthcheck::{HealthCheckService, HealthChecks},
     http::{self, Endpoints},
-    model::{DesiredState, NodeInfo, ServicePortId},
+    model::{DesiredState, NodeInfo, NodePortAddresses, ServicePortId},
     node,
     source::{self, SourceEvent, manifests::ManifestsSource},
     status::{SharedStatus, Status},
@@ -45,6 +47,8 @@ pub struct AgentConfig {
     pub node_name: String,
     /// Fixed NodePort addresses; `None` follows the node's local addresses live.
     pub node_ips: Option<Vec<IpAddr>>,
+    /// `--nodeport-addresses`.
+    pub nodeport_addresses: NodePortAddresses,
     pub load: LoadOptions,
     pub health_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
@@ -91,6 +95,8 @@ struct Syncer {
     plan_errors: BTreeMap<ServicePortId, PlanError>,
     logged: std::collections::BTreeSet<String>,
     needs_retry: bool,
+    /// The tc path's Maglev tables and source ranges, next to `programmed`.
+    external: External,
     /// UDP backends in the maps (id -> address), to know what a member delete removed.
     udp_backends: std::collections::HashMap<u32, (IpAddr, u16)>,
     bpffs: PathBuf,
@@ -178,13 +184,23 @@ impl Syncer {
                 for (id, _) in &batch {
                     self.plan_errors.remove(id);
                 }
-                p.update(&batch, self.capacity)
+                let (mut plan, mut errors) = p.update(&batch, self.capacity);
+                if self.maps.external.is_some() {
+                    // The tc path's tables follow what the service planner just placed.
+                    let failed = errors.iter().map(|e| e.service().clone()).collect();
+                    let (ext, ext_errors) = self.external.update(&batch, &p.content, &failed);
+                    plan.external = ext;
+                    errors.extend(ext_errors);
+                }
+                (plan, errors)
             }
             None => match self.full_plan() {
-                Ok((plan, errors, fresh)) => {
+                Ok((mut plan, errors, fresh)) => {
                     if fresh {
                         let p = self.programmed.as_ref().expect("planned");
-                        let report = self.maps.fill(&p.content);
+                        // Empty maps are filled from the content; the tc entries with them.
+                        let external = std::mem::take(&mut plan.external);
+                        let report = self.maps.fill(&p.content, &external);
                         self.status
                             .lock()
                             .expect("status lock")
@@ -206,9 +222,7 @@ impl Syncer {
         };
         for e in errors {
             error!("{e}");
-            let (PlanError::MapFull { service, .. } | PlanError::TooManyEndpoints { service, .. }) =
-                &e;
-            self.plan_errors.insert(service.clone(), e.clone());
+            self.plan_errors.insert(e.service().clone(), e.clone());
         }
         let report = self.maps.apply(&plan);
         if full {
@@ -269,7 +283,20 @@ impl Syncer {
             services: self.engine.take_desired(),
             ..Default::default()
         };
-        let (programmed, plan, errors) = Programmed::full(&desired, &current, self.capacity);
+        let (programmed, mut plan, mut errors) =
+            Programmed::full(&desired, &current, self.capacity);
+        if let Some(maps) = &self.maps.external {
+            let current = maps.read()?;
+            let (external, ext_plan, ext_errors) = External::full(
+                desired.services.values(),
+                &programmed.content,
+                &current,
+                self.capacity.services,
+            );
+            self.external = external;
+            plan.external = ext_plan;
+            errors.extend(ext_errors);
+        }
         self.engine.restore_desired(desired.services);
         self.programmed = Some(programmed);
         Ok((plan, errors, fresh))
@@ -344,6 +371,54 @@ impl Syncer {
         } else if !plan.is_empty() {
             info!(writes, elapsed_us = elapsed.as_micros() as u64, "synced");
         }
+    }
+
+    /// Points `FERRY_SNAT_ADDRS` at each tc device's current address (addresses can
+    /// change while the agent runs).
+    fn sync_snat(&mut self, devices: &[String]) {
+        let Some(ext) = self.maps.external.as_mut() else {
+            return;
+        };
+        if devices.is_empty() {
+            return;
+        }
+        let addrs = match node::interface_addresses() {
+            Ok(a) => a,
+            Err(e) => return warn!("source NAT addresses: reading interface addresses: {e}"),
+        };
+        let indexed: Vec<(String, u32)> = devices
+            .iter()
+            .filter_map(|d| node::ifindex(d).map(|i| (d.clone(), i)))
+            .collect();
+        let want = dataplane::snat::snat_addresses(&indexed, &addrs, &self.engine.node.addresses);
+        for (device, _) in indexed
+            .iter()
+            .filter(|(_, i)| !want.iter().any(|(k, _)| k.ifindex == *i))
+        {
+            warn!(
+                device,
+                "no global address on this tc device: flows that need source NAT through it are dropped"
+            );
+        }
+        match ext.sync_snat(&want) {
+            Ok(0) => {}
+            Ok(writes) => info!(writes, "source NAT addresses updated"),
+            Err(e) => warn!("writing source NAT addresses: {e}"),
+        }
+    }
+
+    /// The healthCheckNodePort servers the desired state needs (KP-10).
+    fn health_checks(&self) -> Vec<HealthCheckService> {
+        self.engine
+            .health_checks()
+            .iter()
+            .map(|(k, h)| HealthCheckService {
+                namespace: k.namespace.clone(),
+                name: k.name.clone(),
+                port: h.port,
+                local_endpoints: h.local_endpoints,
+            })
+            .collect()
     }
 
     fn refresh_counters(&mut self) {
@@ -527,6 +602,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         name: cfg.node_name.clone(),
         addresses: node_addresses(&cfg)?,
         zone: None,
+        nodeport_addresses: cfg.nodeport_addresses.clone(),
+        // --node-ip lists the primary address of each family first.
+        primary_ips: cfg.node_ips.clone().unwrap_or_default(),
     };
     info!(node = %node.name, addresses = ?node.addresses, "node");
     let mut syncer = Syncer {
@@ -539,9 +617,21 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         logged: Default::default(),
         needs_retry: false,
         udp_backends: Default::default(),
+        external: External::default(),
         bpffs: cfg.load.bpffs.clone(),
     };
 
+    let devices = cfg.load.devices.clone();
+    syncer.sync_snat(&devices);
+    // kube-proxy's serviceProxyHealthy: syncs are fresh (not node eligibility).
+    let health_status = status.clone();
+    let mut health_checks = HealthChecks::new(Arc::new(move || {
+        health_status
+            .lock()
+            .expect("status lock")
+            .healthy(SystemTime::now())
+    }));
+    let mut health_wanted: Option<Vec<HealthCheckService>> = None;
     let mut sigterm =
         tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);
@@ -581,32 +671,56 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
                         dataplane::attach(&mut ebpf, &pending)?;
                         migration_pending = false;
                     }
+                    sync_health_checks(&mut health_checks, &mut health_wanted, syncer.health_checks()).await;
                 }
             }
-            _ = node_tick.tick(), if cfg.node_ips.is_none() => {
+            _ = node_tick.tick() => {
                 match node_addresses(&cfg) {
-                    Ok(addrs) if addrs != syncer.engine.node.addresses => {
+                    Ok(addrs) if cfg.node_ips.is_none() && addrs != syncer.engine.node.addresses => {
                         info!(addresses = ?addrs, "node addresses changed");
                         syncer.engine.node.addresses = addrs;
                         dirty.all = true;
                         if synced_source {
                             syncer.sync(&std::mem::take(&mut dirty));
+                            sync_health_checks(&mut health_checks, &mut health_wanted, syncer.health_checks()).await;
                         }
                     }
                     Ok(_) => {}
                     Err(e) => warn!("{e}"),
                 }
+                syncer.sync_snat(&devices);
             }
             _ = counter_tick.tick() => syncer.refresh_counters(),
-            _ = retry_tick.tick(), if syncer.needs_retry && synced_source => {
-                warn!("retrying after failed map writes: re-reading the maps and planning in full");
-                syncer.sync(&Dirty { all: true, ..Default::default() });
+            _ = retry_tick.tick(), if (syncer.needs_retry || health_wanted.is_none()) && synced_source => {
+                if syncer.needs_retry {
+                    warn!("retrying after failed map writes: re-reading the maps and planning in full");
+                    syncer.sync(&Dirty { all: true, ..Default::default() });
+                }
+                sync_health_checks(&mut health_checks, &mut health_wanted, syncer.health_checks()).await;
             }
             _ = tokio::signal::ctrl_c() => { info!("SIGINT: exiting, programs and maps stay pinned"); break; }
             _ = sigterm.recv() => { info!("SIGTERM: exiting, programs and maps stay pinned"); break; }
         }
     }
     Ok(())
+}
+
+/// Opens, updates and closes the healthCheckNodePort servers after a sync. Only when the
+/// list changed, or the last attempt left a port unserved (it is retried).
+async fn sync_health_checks(
+    servers: &mut HealthChecks,
+    last: &mut Option<Vec<HealthCheckService>>,
+    wanted: Vec<HealthCheckService>,
+) {
+    if last.as_ref() == Some(&wanted) {
+        return;
+    }
+    let errors = servers.sync(wanted.clone()).await;
+    for e in &errors {
+        error!("{e:#}");
+    }
+    // A failed port is retried on the next sync.
+    *last = errors.is_empty().then_some(wanted);
 }
 
 fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced: &mut bool) {

@@ -14,8 +14,8 @@ use k8s_openapi::api::{
 
 use crate::{
     model::{
-        self, FrontendKind, NodeInfo, Problem, Protocol, Scope, ServicePortId, ServicePortState,
-        Skip,
+        self, FrontendKind, HealthCheck, NodeInfo, Problem, Protocol, Scope, ServicePortId,
+        ServicePortState, Skip,
     },
     source::{ObjectKey, SourceEvent},
     source::{SliceLite, compact::compact_service},
@@ -277,6 +277,8 @@ pub struct Engine {
     /// Services that lost a frontend to its owner: recomputed when the owner lets go.
     losers: HashMap<FrontendId, BTreeSet<ObjectKey>>,
     problems: BTreeMap<ObjectKey, (Vec<Problem>, Vec<Skip>)>,
+    /// Services that need a healthCheckNodePort server (KP-10).
+    health: BTreeMap<ObjectKey, HealthCheck>,
 }
 
 impl Engine {
@@ -299,6 +301,11 @@ impl Engine {
 
     pub fn restore_desired(&mut self, desired: BTreeMap<ServicePortId, ServicePortState>) {
         self.desired = desired;
+    }
+
+    /// The healthCheckNodePort servers the desired state needs, per Service.
+    pub fn health_checks(&self) -> &BTreeMap<ObjectKey, HealthCheck> {
+        &self.health
     }
 
     /// Every problem and skip, for logging and metrics.
@@ -354,6 +361,13 @@ impl Engine {
             None => model::DesiredState::default(),
         };
         let old_ports = self.ports_of.remove(k).unwrap_or_default();
+        match std::mem::take(&mut state.health_checks)
+            .into_values()
+            .next()
+        {
+            Some(check) => self.health.insert(k.clone(), check),
+            None => self.health.remove(k),
+        };
         let mut released = BTreeSet::new();
         for id in &old_ports {
             released.extend(self.release_frontends(id));
@@ -418,6 +432,8 @@ impl Engine {
         sp.frontends.retain(|f| {
             let fid = (f.addr, f.port, id.protocol, f.scope);
             match self.owner.get(&fid) {
+                // The external-origin twin of a frontend shares its verdict: one problem.
+                Some(other) if *other != id && f.scope == Scope::ExternalOrigin => false,
                 Some(other) if *other != id => {
                     self.losers.entry(fid).or_default().insert(k.clone());
                     problems.push(Problem {
@@ -486,6 +502,7 @@ mod tests {
             name: "node1".into(),
             addresses: vec![],
             zone: None,
+            ..Default::default()
         })
     }
 
@@ -626,13 +643,15 @@ mod tests {
             1,
             "b keeps only its ClusterIP while a holds the externalIP"
         );
+        assert_eq!(e.report().0.len(), 1, "one problem, not one per scope");
         let changes = feed(&mut e, vec![SourceEvent::ServiceDeleted(key("a"))]);
         assert_eq!(
             names(&changes),
             ["a-", "b"],
             "b is recomputed when a lets go"
         );
-        assert_eq!(e.desired()[&b_id].frontends.len(), 2);
+        // ClusterIP, and the externalIP in both scopes.
+        assert_eq!(e.desired()[&b_id].frontends.len(), 3);
         assert!(e.report().0.is_empty(), "the conflict is resolved");
     }
 

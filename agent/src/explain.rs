@@ -11,17 +11,19 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr, str::FromStr};
 
+use ferry_common::ext::{MAGLEV_TABLE_SIZE, flow_hash};
 use ferry_common::lb::{
     AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, BACKEND_F_LOCAL,
     BACKEND_F_TERMINATING, MemberKey, PROTO_TCP, PROTO_UDP, SCOPE_LOCAL_ORIGIN, SVC_F_AFFINITY,
-    SVC_F_DROP, SVC_F_EXTERNAL, SVC_F_LOCAL_POLICY, SVC_F_NODEPORT, SVC_F_TERMINATING_FALLBACK,
-    ServiceKey, ServiceValue,
+    SVC_F_DROP, SVC_F_EXTERNAL, SVC_F_LOCAL_POLICY, SVC_F_NODEPORT, SVC_F_SOURCE_RANGES,
+    SVC_F_TERMINATING_FALLBACK, ServiceKey, ServiceValue,
 };
 use serde::Serialize;
 
 use crate::dataplane::{
     MapContent,
-    plan::{addr_of, flag_names, fmt_endpoint, proto_name},
+    external::ExternalContent,
+    plan::{addr_of, flag_names, fmt_endpoint, ip_of, proto_name},
 };
 
 /// Exit code of `ferry explain` when the address is not a Service frontend.
@@ -86,6 +88,8 @@ pub struct Client {
     pub from_is_here: bool,
     /// The cookie of the network namespace `ferry explain` runs in (`SO_NETNS_COOKIE`).
     pub own_netns: Option<u64>,
+    /// `--from-port`: the client's source port, for the tc path's Maglev pick.
+    pub from_port: Option<u16>,
 }
 
 /// What the kernel holds, as the command read it.
@@ -96,6 +100,8 @@ pub struct Live<'a> {
     pub connections: &'a BTreeMap<u32, u64>,
     /// `CLOCK_MONOTONIC` now, in ns (the clock of `bpf_ktime_get_ns`).
     pub now_ns: u64,
+    /// The tc path's Maglev tables and source ranges.
+    pub external: &'a ExternalContent,
 }
 
 #[derive(Debug, Serialize)]
@@ -131,6 +137,22 @@ pub struct FrontendExplanation {
     /// Connects and datagrams translated for this ServicePort so far (all its frontends).
     pub connections_total: Option<u64>,
     pub warnings: Vec<String>,
+    /// External-origin frontends: what the tc path does for a client outside the node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tc: Option<TcExplanation>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TcExplanation {
+    /// `admitted`, `dropped` (outside the LoadBalancer's source ranges), or `unknown`
+    /// (no `--from`); `None` when the frontend has no source ranges.
+    pub source_range: Option<&'static str>,
+    pub source_ranges: Vec<String>,
+    /// How the client's address reaches the backend.
+    pub source_nat: String,
+    /// `--from` and `--from-port`: the backend the Maglev table picks for that flow.
+    pub maglev_pick: Option<String>,
+    pub maglev_table: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -250,7 +272,11 @@ fn frontend(
         .collect();
     let local_policy = v.flags & SVC_F_LOCAL_POLICY != 0;
     let fallback = v.flags & SVC_F_TERMINATING_FALLBACK != 0;
-    let (verdict, errno, why) = if v.count == 0 && v.flags & SVC_F_DROP != 0 {
+    let external = k.scope != SCOPE_LOCAL_ORIGIN;
+    let tc = external.then(|| tc_path(live, k, v, client));
+    let (verdict, errno, why) = if external {
+        external_verdict(v, tc.as_ref().expect("external"), backends.len())
+    } else if v.count == 0 && v.flags & SVC_F_DROP != 0 {
         (
             "dropped",
             Some("EHOSTUNREACH"),
@@ -294,7 +320,9 @@ fn frontend(
              is not translated (counted as backend_missing); the agent repairs this on its next sync"
         ));
     }
-    let policy = if local_policy {
+    let policy = if local_policy && external {
+        "externalTrafficPolicy Local: local endpoints only, the client address is kept".to_string()
+    } else if local_policy {
         "internalTrafficPolicy Local: local endpoints only".to_string()
     } else {
         "Cluster: endpoints on every node".to_string()
@@ -339,7 +367,108 @@ fn frontend(
         backends,
         connections_total: live.connections.get(&v.svc_id).copied(),
         warnings,
+        tc,
     }
+}
+
+/// What the tc path does with a new flow from outside the node (docs/external-traffic.md).
+fn tc_path(live: &Live<'_>, k: &ServiceKey, v: &ServiceValue, client: &Client) -> TcExplanation {
+    let c = live.content;
+    let ranges = crate::list::source_ranges(live.external, v.svc_id);
+    let source_range = (v.flags & SVC_F_SOURCE_RANGES != 0).then(|| match client.from {
+        None => "unknown",
+        Some(ip) => {
+            let inside = live
+                .external
+                .ranges
+                .iter()
+                .filter(|r| r.svc_id == v.svc_id)
+                .any(|r| {
+                    let cidr = crate::model::Cidr::new(ip_of(&r.addr), r.cidr_len() as u8);
+                    cidr.is_some_and(|c| c.contains(&ip))
+                });
+            if inside { "admitted" } else { "dropped" }
+        }
+    });
+    let table = live.external.maglev.get(&v.svc_id);
+    let maglev_pick = match (client.from, client.from_port, table) {
+        (Some(ip), Some(port), Some(t)) if v.count > 0 => {
+            let h = flow_hash(&addr_of(&ip), &k.addr, port.to_be(), k.port, k.proto);
+            let id = t.backend_ids[(h % MAGLEV_TABLE_SIZE as u32) as usize];
+            Some(match c.backends.get(&id) {
+                Some(b) => format!(
+                    "{} (backend {id}{})",
+                    fmt_endpoint(&b.addr, u16::from_be(b.port)),
+                    if b.flags & BACKEND_F_LOCAL != 0 {
+                        ", local"
+                    } else {
+                        ""
+                    }
+                ),
+                None => format!("backend {id}, which the backend map does not hold"),
+            })
+        }
+        _ => None,
+    };
+    let source_nat = if v.flags & SVC_F_LOCAL_POLICY != 0 {
+        "none: externalTrafficPolicy Local, the backend sees the client's address".to_string()
+    } else {
+        "to this node's address on the way out when the backend is on another node (so its \
+         reply comes back here); none when the backend is local"
+            .to_string()
+    };
+    TcExplanation {
+        source_range,
+        source_ranges: ranges,
+        source_nat,
+        maglev_pick,
+        maglev_table: table.is_some(),
+    }
+}
+
+fn external_verdict(
+    v: &ServiceValue,
+    tc: &TcExplanation,
+    n: usize,
+) -> (&'static str, Option<&'static str>, String) {
+    if tc.source_range == Some("dropped") {
+        return (
+            "dropped",
+            None,
+            "the client is outside the LoadBalancer's loadBalancerSourceRanges: its packets are dropped".into(),
+        );
+    }
+    if v.count == 0 && v.flags & SVC_F_DROP != 0 {
+        return (
+            "dropped",
+            None,
+            "externalTrafficPolicy Local and no endpoint on this node (there are endpoints elsewhere): \
+             packets are dropped, as kube-proxy does, so the load balancer's health check moves traffic away"
+                .into(),
+        );
+    }
+    if v.count == 0 {
+        return (
+            "refused",
+            None,
+            "the Service has no usable endpoint: every SYN and datagram gets an ICMP port unreachable \
+             (the client sees connection refused), as kube-proxy's REJECT"
+                .into(),
+        );
+    }
+    let how = match &tc.maglev_pick {
+        Some(pick) => format!("this flow goes to {pick}"),
+        None => "give --from and --from-port to see which".into(),
+    };
+    (
+        "translated",
+        None,
+        format!(
+            "a new flow from outside goes to one of {n} backend{} chosen by the Maglev table from its \
+             5-tuple ({how}); conntrack keeps it there",
+            if n == 1 { "" } else { "s" }
+        ),
+    )
 }
 
 /// Would the programs reuse this entry's backend for this frontend? Mirrors
@@ -562,6 +691,24 @@ pub fn text(e: &Explanation) -> String {
                 "  translated so far: {n} connection(s)/datagram(s) for this ServicePort"
             );
         }
+        if let Some(tc) = &f.tc {
+            if let Some(verdict) = tc.source_range {
+                let list = if tc.source_ranges.is_empty() {
+                    "none".to_string()
+                } else {
+                    tc.source_ranges.join(", ")
+                };
+                let _ = writeln!(s, "  source ranges: {list}: client {verdict}");
+            }
+            let _ = writeln!(s, "  source NAT: {}", tc.source_nat);
+            if !tc.maglev_table && !f.backends.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "  maglev:    no table for service id {}: new flows are not translated until the agent writes it",
+                    f.service_id
+                );
+            }
+        }
         for w in &f.warnings {
             let _ = writeln!(s, "  warning:   {w}");
         }
@@ -708,6 +855,7 @@ mod tests {
             affinity,
             connections: &conns,
             now_ns: 10_000 * S,
+            external: &ExternalContent::default(),
         };
         explain(&live, &q.parse().unwrap(), client)
     }
@@ -801,6 +949,7 @@ mod tests {
             "10.96.0.11:80/TCP",
             &Client {
                 own_netns: Some(4001),
+                from_port: None,
                 ..Default::default()
             },
         );
@@ -856,6 +1005,7 @@ mod tests {
             from,
             from_is_here: false,
             own_netns: Some(1),
+            from_port: None,
         };
         let note = |e: &Explanation| e.frontends[0].affinity.client.clone().unwrap();
         let e = run(&c, &affinity, "10.96.0.11:80/TCP", &elsewhere);
@@ -868,6 +1018,7 @@ mod tests {
             from,
             from_is_here: true,
             own_netns: Some(4001),
+            from_port: None,
         };
         assert_eq!(
             note(&run(&c, &affinity, "10.96.0.11:80/TCP", &here)),
@@ -877,6 +1028,7 @@ mod tests {
             from,
             from_is_here: true,
             own_netns: Some(7),
+            from_port: None,
         };
         assert!(note(&run(&c, &affinity, "10.96.0.11:80/TCP", &fresh)).contains("no entry yet"));
         let plain = run(&c, &affinity, "10.96.0.14:80/TCP", &elsewhere);
@@ -991,6 +1143,78 @@ mod tests {
             f.warnings[0].contains("backend_missing"),
             "{:?}",
             f.warnings
+        );
+    }
+
+    /// An external-origin LoadBalancer frontend: the source-range verdict for `--from`,
+    /// source NAT by policy, and the Maglev pick for `--from-port` (the same as
+    /// `flow_hash` over the table, as the tc program computes it).
+    #[test]
+    fn external_frontend_explains_the_tc_path() {
+        use crate::dataplane::{
+            external::tests::{lb, tc_content},
+            plan::tests::desired,
+        };
+        let yaml = lb("Cluster", &["10.0.0.1", "10.0.0.2"], &[], "203.0.113.0/24");
+        let mut p = Planner::new();
+        p.sync(&yaml);
+        let ext = tc_content(&desired(&yaml), &p.current);
+        let conns = BTreeMap::new();
+        let live = Live {
+            content: &p.current,
+            affinity: &[],
+            connections: &conns,
+            now_ns: 0,
+            external: &ext,
+        };
+        let q: Query = "198.51.100.1:80/tcp".parse().unwrap();
+        let ask = |from: &str, port: u16| {
+            let client = Client {
+                from: Some(from.parse().unwrap()),
+                from_port: Some(port),
+                ..Default::default()
+            };
+            explain(&live, &q, &client)
+        };
+        let e = ask("203.0.113.7", 40000);
+        let f = e
+            .frontends
+            .iter()
+            .find(|f| f.scope == "external-origin")
+            .unwrap();
+        assert_eq!(f.verdict, "translated");
+        let tc = f.tc.as_ref().unwrap();
+        assert_eq!(tc.source_range, Some("admitted"));
+        assert!(tc.source_nat.contains("another node"), "{}", tc.source_nat);
+        // The pick is the table entry of the flow's hash.
+        let svc = f.service_id;
+        let h = flow_hash(
+            &addr_of(&"203.0.113.7".parse().unwrap()),
+            &addr_of(&"198.51.100.1".parse().unwrap()),
+            40000u16.to_be(),
+            80u16.to_be(),
+            PROTO_TCP,
+        );
+        let id = ext.maglev[&svc].backend_ids[(h % MAGLEV_TABLE_SIZE as u32) as usize];
+        let want = fmt_endpoint(&p.current.backends[&id].addr, 8080);
+        let pick = tc.maglev_pick.as_deref().unwrap();
+        assert!(pick.starts_with(&want), "{pick} vs {want}");
+        assert!(f.why.contains(pick), "{}", f.why);
+        // Outside the ranges: dropped; the local-origin frontend is not filtered.
+        let e = ask("192.0.2.1", 40000);
+        let verdicts: Vec<(&str, &str)> =
+            e.frontends.iter().map(|f| (f.scope, f.verdict)).collect();
+        assert_eq!(
+            verdicts,
+            [
+                ("local-origin", "translated"),
+                ("external-origin", "dropped")
+            ]
+        );
+        assert!(
+            text(&e).contains("source ranges: 203.0.113.0/24: client dropped"),
+            "{}",
+            text(&e)
         );
     }
 }

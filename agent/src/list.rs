@@ -10,7 +10,8 @@ use serde::Serialize;
 
 use crate::dataplane::{
     MapContent,
-    plan::{flag_names, fmt_endpoint, proto_name},
+    external::ExternalContent,
+    plan::{flag_names, fmt_endpoint, ip_of, proto_name},
 };
 
 #[derive(Debug, Serialize)]
@@ -22,6 +23,14 @@ pub struct FrontendView {
     pub flags: String,
     pub affinity_timeout_s: Option<u32>,
     pub backends: Vec<BackendView>,
+    /// External-origin frontends with backends: whether the tc path's Maglev table of
+    /// the service id is present (without it, new flows are not translated).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev: Option<bool>,
+    /// External-origin LoadBalancer frontends flagged `source-ranges`: the CIDRs
+    /// admitted (none listed: nobody from outside is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_ranges: Option<Vec<String>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -39,7 +48,7 @@ pub struct ListView {
     pub counters: BTreeMap<&'static str, u64>,
 }
 
-pub fn view(c: &MapContent, counters: &[u64]) -> ListView {
+pub fn view(c: &MapContent, ext: &ExternalContent, counters: &[u64]) -> ListView {
     let mut frontends = Vec::new();
     for (k, v) in c.services.iter().filter(|(k, _)| k.slot == 0) {
         let backends = (1..=v.count)
@@ -82,6 +91,10 @@ pub fn view(c: &MapContent, counters: &[u64]) -> ListView {
             affinity_timeout_s: (v.flags & ferry_common::lb::SVC_F_AFFINITY != 0)
                 .then_some(v.affinity_timeout_s),
             backends,
+            maglev: (k.scope != SCOPE_LOCAL_ORIGIN && v.count > 0)
+                .then(|| ext.maglev.contains_key(&v.svc_id)),
+            source_ranges: (v.flags & ferry_common::lb::SVC_F_SOURCE_RANGES != 0)
+                .then(|| source_ranges(ext, v.svc_id)),
         });
     }
     let counters = COUNTER_NAMES
@@ -93,6 +106,15 @@ pub fn view(c: &MapContent, counters: &[u64]) -> ListView {
         frontends,
         counters,
     }
+}
+
+/// The CIDRs admitted for a service id, as written (`203.0.113.0/24`).
+pub fn source_ranges(ext: &ExternalContent, svc_id: u32) -> Vec<String> {
+    ext.ranges
+        .iter()
+        .filter(|r| r.svc_id == svc_id)
+        .map(|r| format!("{}/{}", ip_of(&r.addr), r.cidr_len()))
+        .collect()
 }
 
 pub fn table(v: &ListView) -> String {
@@ -122,6 +144,18 @@ pub fn table(v: &ListView) -> String {
             Some(t) => format!("{} timeout={t}s", f.flags),
             None => f.flags.clone(),
         };
+        let mut backends = backends;
+        if f.maglev == Some(false) {
+            backends.push_str(" [no maglev table]");
+        }
+        if let Some(ranges) = &f.source_ranges {
+            let list = if ranges.is_empty() {
+                "none".to_string()
+            } else {
+                ranges.join(",")
+            };
+            backends.push_str(&format!(" [source-ranges={list}]"));
+        }
         let _ = writeln!(
             s,
             "{:<28} {:<5} {:<16} {:>5}  {:<24} {backends}",
@@ -142,7 +176,11 @@ mod tests {
     use super::{ListView, table, view};
     use crate::dataplane::{
         MapContent,
-        plan::tests::{Planner, assert_text},
+        external::{
+            ExternalContent,
+            tests::{lb, tc_content},
+        },
+        plan::tests::{Planner, assert_text, desired},
     };
 
     /// Three Services: ClientIP affinity over a local and a remote endpoint, a
@@ -225,7 +263,7 @@ mod tests {
     #[test]
     fn view_shows_frontends_backends_and_flags() {
         let counters: Vec<u64> = (1..=COUNTER_NAMES.len() as u64).collect();
-        let v = view(&content(), &counters);
+        let v = view(&content(), &ExternalContent::default(), &counters);
         assert_text(
             "view",
             &render(&v),
@@ -239,10 +277,16 @@ mod tests {
             affinity_hit=5
             affinity_map_full=7
             backend_missing=4
+            conntrack_map_full=14
             dropped_no_local_endpoints=3
+            external_icmp_unreachable=10
+            external_translated=9
+            fib_lookup_failed=13
             rejected_no_endpoints=2
             reverse_translated=6
             revnat_map_full=8
+            snat_ports_exhausted=12
+            source_range_dropped=11
             translated=1
             ",
         );
@@ -261,7 +305,7 @@ mod tests {
             .expect("sticky's slot 2");
         let slot1 = ferry_common::lb::ServiceKey { slot: 1, ..slot2 };
         c.services.remove(&slot1);
-        let v = view(&c, &[]);
+        let v = view(&c, &ExternalContent::default(), &[]);
         assert_text(
             "view",
             &render(&v),
@@ -285,7 +329,7 @@ mod tests {
     fn table_has_one_row_per_frontend() {
         let mut c = content();
         c.backends.remove(&3);
-        let text = table(&view(&c, &[7, 0, 0, 1]));
+        let text = table(&view(&c, &ExternalContent::default(), &[7, 0, 0, 1]));
         assert_text(
             "table",
             &text,
@@ -302,9 +346,48 @@ mod tests {
         assert_eq!(rows, c.services.keys().filter(|k| k.slot == 0).count());
     }
 
+    /// An external-origin LoadBalancer frontend shows its Maglev table and source ranges.
+    #[test]
+    fn external_frontends_show_maglev_and_source_ranges() {
+        let yaml = lb("Cluster", &["10.0.0.1"], &[], "203.0.113.0/24");
+        let mut p = Planner::new();
+        p.sync(&yaml);
+        let mut ext = tc_content(&desired(&yaml), &p.current);
+        let v = view(&p.current, &ext, &[]);
+        let lb = v
+            .frontends
+            .iter()
+            .find(|f| f.scope == "external-origin" && f.frontend == "198.51.100.1:80")
+            .expect("external frontend");
+        assert_eq!(lb.maglev, Some(true));
+        assert_eq!(lb.source_ranges, Some(vec!["203.0.113.0/24".to_string()]));
+        let local = v
+            .frontends
+            .iter()
+            .find(|f| f.scope == "local-origin")
+            .unwrap();
+        assert_eq!((local.maglev, &local.source_ranges), (None, &None));
+        let row = table(&v)
+            .lines()
+            .find(|l| l.contains("external-origin") && l.starts_with("198."))
+            .unwrap()
+            .to_string();
+        assert!(
+            row.ends_with("10.0.0.1:8080 [source-ranges=203.0.113.0/24]"),
+            "{row}"
+        );
+        ext.maglev.clear();
+        let row = table(&view(&p.current, &ext, &[]))
+            .lines()
+            .find(|l| l.contains("external-origin") && l.starts_with("198."))
+            .unwrap()
+            .to_string();
+        assert!(row.contains("[no maglev table]"), "{row}");
+    }
+
     #[test]
     fn empty_maps() {
-        let v = view(&MapContent::default(), &[]);
+        let v = view(&MapContent::default(), &ExternalContent::default(), &[]);
         assert!(v.frontends.is_empty());
         assert!(v.counters.is_empty());
         let text = table(&v);

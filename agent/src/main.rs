@@ -24,7 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the dataplane in the foreground.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Show what the kernel is doing now, from the pinned maps.
     List {
         #[arg(long, default_value = "/sys/fs/bpf/ferry")]
@@ -40,9 +40,14 @@ enum Cmd {
         /// [ADDR]:PORT/PROTO).
         target: String,
         /// The client's address. Affinity is keyed by network namespace, not IP: run
-        /// explain inside the client's namespace to see its own entry.
+        /// explain inside the client's namespace to see its own entry. For a frontend
+        /// reached from outside the node: the source-range verdict.
         #[arg(long)]
         from: Option<IpAddr>,
+        /// The client's source port (with --from): which backend the tc path's Maglev
+        /// table picks for that flow.
+        #[arg(long, requires = "from")]
+        from_port: Option<u16>,
         #[arg(long, default_value = "/sys/fs/bpf/ferry")]
         bpffs: PathBuf,
         #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
@@ -55,7 +60,8 @@ enum Cmd {
         /// Accepted for symmetry with `agent`; links are found through the pins.
         #[arg(long)]
         cgroup: Option<PathBuf>,
-        /// Accepted for symmetry with `agent` (tc devices arrive with a later release).
+        /// Devices whose tc programs to detach; every device's pinned tc links are
+        /// removed either way.
         #[arg(long, value_delimiter = ',')]
         devices: Vec<String>,
     },
@@ -91,12 +97,19 @@ struct AgentArgs {
     /// bpffs directory where maps and links are pinned.
     #[arg(long, default_value = "/sys/fs/bpf/ferry")]
     bpffs: PathBuf,
-    /// Devices for the tc hooks (accepted; the tc path arrives with a later release).
+    /// Devices for the tc programs, which serve NodePorts, externalIPs and LoadBalancer
+    /// IPs to traffic from outside the node (default: the devices that carry the node
+    /// addresses, never lo).
     #[arg(long, value_delimiter = ',')]
     devices: Vec<String>,
-    /// NodePort addresses (default: every local address except loopback, followed live).
+    /// The node's addresses, primary of each family first (default: every local address
+    /// except loopback, followed live).
     #[arg(long, value_delimiter = ',')]
     node_ip: Vec<IpAddr>,
+    /// Which node addresses serve NodePorts: CIDRs (a family without one keeps all its
+    /// addresses) or `primary` (kube-proxy's --nodeport-addresses; default: all).
+    #[arg(long, value_delimiter = ',')]
+    nodeport_addresses: Vec<String>,
     #[arg(long, default_value = "0.0.0.0:10256")]
     health_addr: std::net::SocketAddr,
     #[arg(long, default_value = "127.0.0.1:10249")]
@@ -113,6 +126,9 @@ struct AgentArgs {
     /// Socket reverse-translation entries (LRU).
     #[arg(long, default_value_t = 262144, value_parser = clap::value_parser!(u32).range(1..))]
     max_revnat: u32,
+    /// tc conntrack entries (LRU; two per flow from outside the node).
+    #[arg(long, default_value_t = 262144, value_parser = clap::value_parser!(u32).range(2..))]
+    max_conntrack: u32,
 }
 
 /// A usage or configuration error: exit code 2.
@@ -144,15 +160,16 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Agent(args) => run_agent(args),
+        Cmd::Agent(args) => run_agent(*args),
         Cmd::List { bpffs, output } => run_list(&bpffs, output),
-        Cmd::Cleanup { bpffs, .. } => run_cleanup(&bpffs),
+        Cmd::Cleanup { bpffs, devices, .. } => run_cleanup(&bpffs, &devices),
         Cmd::Explain {
             target,
             from,
+            from_port,
             bpffs,
             output,
-        } => match run_explain(&target, from, &bpffs, output) {
+        } => match run_explain(&target, from, from_port, &bpffs, output) {
             Ok(code) => return code,
             Err(e) => Err(e),
         },
@@ -224,9 +241,8 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             cgroup.display()
         )));
     }
-    if !a.devices.is_empty() {
-        tracing::warn!(devices = ?a.devices, "--devices: the tc path is not in this release; only socket hooks are attached");
-    }
+    let nodeport_addresses = ferry::model::NodePortAddresses::parse(&a.nodeport_addresses)
+        .map_err(|e| usage(format!("--nodeport-addresses: {e}")))?;
     let node_ips = if a.node_ip.is_empty() {
         None
     } else {
@@ -241,10 +257,13 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             "--node-ip {bad}: loopback, link-local and unspecified addresses never serve NodePorts"
         )));
     }
+    let devices = tc_devices(&a.devices, node_ips.as_deref())?;
+    tracing::info!(devices = ?devices, "tc devices");
     let cfg = AgentConfig {
         source,
         node_name: a.node_name.unwrap_or_else(node::hostname),
         node_ips,
+        nodeport_addresses,
         load: LoadOptions {
             bpffs: a.bpffs,
             cgroup,
@@ -254,6 +273,8 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             },
             affinity_entries: a.max_affinity,
             revnat_entries: a.max_revnat,
+            devices,
+            conntrack_entries: a.max_conntrack,
         },
         health_addr: a.health_addr,
         metrics_addr: a.metrics_addr,
@@ -271,6 +292,22 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         }
         other => anyhow!(other),
     })
+}
+
+/// `--devices` as given (each must exist), or the devices that carry the node addresses.
+fn tc_devices(given: &[String], node_ips: Option<&[IpAddr]>) -> Result<Vec<String>> {
+    if !given.is_empty() {
+        if let Some(missing) = given.iter().find(|d| node::ifindex(d).is_none()) {
+            return Err(usage(format!("--devices {missing}: no such device")));
+        }
+        return Ok(given.to_vec());
+    }
+    let addrs = node::interface_addresses().context("reading interface addresses")?;
+    let node_ips: Vec<IpAddr> = match node_ips {
+        Some(ips) => ips.to_vec(),
+        None => addrs.iter().map(|(_, ip)| *ip).collect(),
+    };
+    Ok(node::default_devices(&addrs, &node_ips))
 }
 
 /// The pinned maps of this build's layout, with an error that says what is pinned instead.
@@ -296,7 +333,8 @@ fn open_maps(bpffs: &std::path::Path) -> Result<KernelMaps> {
 fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
     let maps = open_maps(bpffs)?;
     let content = maps.read().context("reading the pinned maps")?;
-    let view = list::view(&content, &maps.counters());
+    let external = maps.read_external().context("reading the pinned tc maps")?;
+    let view = list::view(&content, &external, &maps.counters());
     match output {
         Output::Table => print!("{}", list::table(&view)),
         Output::Json => println!("{}", serde_json::to_string_pretty(&view)?),
@@ -308,6 +346,7 @@ fn run_list(bpffs: &std::path::Path, output: Output) -> Result<()> {
 fn run_explain(
     target: &str,
     from: Option<IpAddr>,
+    from_port: Option<u16>,
     bpffs: &std::path::Path,
     output: ExplainOutput,
 ) -> Result<ExitCode> {
@@ -318,16 +357,19 @@ fn run_explain(
     let content = maps.read().context("reading the pinned maps")?;
     let affinity = maps.affinity_entries();
     let connections = maps.service_connections();
+    let external = maps.read_external().context("reading the pinned tc maps")?;
     let live = explain::Live {
         content: &content,
         affinity: &affinity,
         connections: &connections,
         now_ns: explain::sys::monotonic_ns(),
+        external: &external,
     };
     let client = explain::Client {
         from,
         from_is_here: from.is_some_and(explain::sys::is_local_address),
         own_netns: explain::sys::own_netns_cookie(),
+        from_port,
     };
     let e = explain::explain(&live, &query, &client);
     match output {
@@ -341,9 +383,13 @@ fn run_explain(
     })
 }
 
-fn run_cleanup(bpffs: &std::path::Path) -> Result<()> {
+fn run_cleanup(bpffs: &std::path::Path, devices: &[String]) -> Result<()> {
     let removed =
         dataplane::cleanup(bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;
+    if !devices.is_empty() {
+        // The pins are the attachments: removing them detached every device's programs.
+        println!("tc programs detached from {}", devices.join(", "));
+    }
     if removed.is_empty() {
         println!("nothing to clean up in {}", bpffs.display());
     } else {

@@ -5,6 +5,18 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// Local addresses of the current network namespace, sorted and deduplicated.
 pub fn local_addresses() -> std::io::Result<Vec<IpAddr>> {
+    let mut out: Vec<IpAddr> = interface_addresses()?
+        .into_iter()
+        .map(|(_, ip)| ip)
+        .collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// (device, address) for every address that can serve NodePorts, in the kernel's order
+/// (a device's primary address first).
+pub fn interface_addresses() -> std::io::Result<Vec<(String, IpAddr)>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `head` with a list we free below with freeifaddrs.
     if unsafe { libc::getifaddrs(&mut head) } != 0 {
@@ -13,6 +25,10 @@ pub fn local_addresses() -> std::io::Result<Vec<IpAddr>> {
     let mut out = Vec::new();
     let mut cur = head;
     while !cur.is_null() {
+        // SAFETY: `cur` walks the list getifaddrs returned; entries stay valid until freed.
+        let name = unsafe { std::ffi::CStr::from_ptr((*cur).ifa_name) }
+            .to_string_lossy()
+            .into_owned();
         // SAFETY: `cur` walks the list getifaddrs returned; entries stay valid until freed.
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
@@ -34,14 +50,32 @@ pub fn local_addresses() -> std::io::Result<Vec<IpAddr>> {
             }
         };
         if usable_for_nodeport(&ip) {
-            out.push(ip);
+            out.push((name, ip));
         }
     }
     // SAFETY: `head` came from getifaddrs and is freed once.
     unsafe { libc::freeifaddrs(head) };
-    out.sort();
-    out.dedup();
     Ok(out)
+}
+
+/// The interface index of `device`, `None` when there is no such device.
+pub fn ifindex(device: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(device).ok()?;
+    // SAFETY: a valid C string; if_nametoindex only reads it.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (index != 0).then_some(index)
+}
+
+/// The tc devices when `--devices` is not given: those that carry a node address,
+/// never loopback.
+pub fn default_devices(addresses: &[(String, IpAddr)], node_ips: &[IpAddr]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for (device, ip) in addresses {
+        if device != "lo" && node_ips.contains(ip) && !out.contains(device) {
+            out.push(device.clone());
+        }
+    }
+    out
 }
 
 /// NodePorts are never served on loopback (kube-proxy's nftables and IPv6 behaviour) or
@@ -70,6 +104,25 @@ pub fn hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_devices_carry_node_addresses() {
+        let addrs: Vec<(String, IpAddr)> = [
+            ("lo", "10.9.9.9"),
+            ("eth0", "192.168.1.10"),
+            ("eth0", "fd00::10"),
+            ("eth1", "10.1.0.2"),
+            ("cni0", "10.244.0.1"),
+        ]
+        .iter()
+        .map(|(d, ip)| (d.to_string(), ip.parse().unwrap()))
+        .collect();
+        let node_ips: Vec<IpAddr> = ["192.168.1.10", "fd00::10", "10.1.0.2", "10.9.9.9"]
+            .iter()
+            .map(|ip| ip.parse().unwrap())
+            .collect();
+        assert_eq!(default_devices(&addrs, &node_ips), ["eth0", "eth1"]);
+    }
 
     #[test]
     fn loopback_and_link_local_are_not_nodeport_addresses() {

@@ -396,6 +396,23 @@ impl Cluster {
         )
     }
 
+    /// Waits until node `n`'s counter `reason` reaches `at_least` (the agent reads the
+    /// BPF counters once per second); panics with every counter and `what` otherwise.
+    pub fn expect_counter(&self, n: usize, reason: &str, at_least: u64, what: &str) {
+        eventually(
+            &format!("{what}: node{n} counter {reason} >= {at_least}"),
+            Duration::from_secs(5),
+            || {
+                let v = self.counter(n, reason);
+                if v >= at_least {
+                    Ok(())
+                } else {
+                    Err(format!("{v}; all counters:\n{}", self.counters(n)))
+                }
+            },
+        );
+    }
+
     /// Every datapath counter of node `n`, for failure messages.
     pub fn counters(&self, n: usize) -> String {
         self.metrics(n)

@@ -123,7 +123,13 @@ fn nodeport_v6_without_endpoints_is_refused_with_icmpv6() {
             Some(7),
             "curl to an IPv6 NodePort without endpoints must be refused (exit 7): {err}"
         );
-        assert!(ms < 1000, "the refusal must be immediate, took {ms} ms");
+        // The client kernel drops an ICMPv6 error that arrives while connect() holds the
+        // socket lock (DESIGN.md §2), so the refusal may land on the first SYN retry
+        // (1 s); a client that timed out would take the whole 3 s.
+        assert!(
+            ms < 2500,
+            "the refusal must come with the first SYN or its first retry, took {ms} ms"
+        );
     }
     for o in c.probe_ext(1, "udp-connected", &hostport(node1, NP_UDP), 3) {
         assert_eq!(
@@ -133,11 +139,11 @@ fn nodeport_v6_without_endpoints_is_refused_with_icmpv6() {
         );
         assert!(o.ms < 1000, "immediate: {o:?}");
     }
-    let after = c.counter(1, "external_icmp_unreachable");
-    assert!(
-        after >= before + 6,
-        "node1 must have sent 6 ICMPv6 port unreachable: {before} -> {after}\n{}",
-        c.counters(1)
+    c.expect_counter(
+        1,
+        "external_icmp_unreachable",
+        before + 6,
+        "node1 sent 6 ICMPv6 port unreachable",
     );
 }
 
@@ -173,10 +179,11 @@ fn nodeport_v6_local_policy_keeps_client_address() {
         );
         assert!(o.ms >= 1500, "a drop shows as a timeout: {o:?}");
     }
-    assert!(
-        c.counter(2, "dropped_no_local_endpoints") > drops,
-        "node2 must count the drops: {}",
-        c.counters(2)
+    c.expect_counter(
+        2,
+        "dropped_no_local_endpoints",
+        drops + 2,
+        "node2 counts the drops",
     );
     let outs = c.probe_pod("n2p1", "tcp", &hostport(c.node(2).v6, NP_TCP), 20);
     all_ok(&outs, "a pod on node2 through its node's IPv6 NodePort");

@@ -59,6 +59,14 @@ pub struct LinkInfo {
     pub attach_type: u32,
 }
 
+impl LinkInfo {
+    /// For tcx links: (ifindex, attach type), which share the union's first 8 bytes with
+    /// a cgroup link's `cgroup_id`.
+    pub fn tcx_target(&self) -> (u32, u32) {
+        (self.cgroup_id as u32, (self.cgroup_id >> 32) as u32)
+    }
+}
+
 pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     let mut info = [0u64; 8];
     let mut attr = [0u64; 16];

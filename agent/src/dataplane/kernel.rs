@@ -13,6 +13,7 @@ use aya::{
     maps::{HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap},
 };
 use ferry_common::{
+    ct::{CT_MAP, CtEntry, CtKey},
     lb::{
         AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, Backend, MEMBERS_MAP, MemberKey,
         SERVICES_MAP, ServiceKey, ServiceValue,
@@ -22,7 +23,11 @@ use ferry_common::{
 };
 use tracing::warn;
 
-use super::plan::{MapContent, Plan, fmt_endpoint, proto_name};
+use super::{
+    ext_maps::ExternalMaps,
+    external::ExternalPlan,
+    plan::{MapContent, Plan, fmt_endpoint, proto_name},
+};
 
 pub struct KernelMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
@@ -31,6 +36,8 @@ pub struct KernelMaps {
     counters: PerCpuArray<MapData, u64>,
     /// Maps the programs write and the agent only reads (metrics, `ferry explain`).
     observed: Observed,
+    /// The tc path's maps; `None` with an object built before the tc path.
+    pub external: Option<ExternalMaps>,
 }
 
 /// Each is optional: pins left by an older release may lack one, and everything read
@@ -79,6 +86,7 @@ impl KernelMaps {
                 revnat: take(ebpf, SOCK_REVNAT_MAP).ok(),
                 svc_conns: take(ebpf, SVC_CONNS_MAP).ok(),
             },
+            external: ExternalMaps::from_ebpf(ebpf),
         })
     }
 
@@ -94,6 +102,11 @@ impl KernelMaps {
                 revnat: open(dir, SOCK_REVNAT_MAP, Map::LruHashMap).ok(),
                 svc_conns: open(dir, SVC_CONNS_MAP, Map::PerCpuHashMap).ok(),
             },
+            // Conntrack is pinned beside the layout directories (it outlives them).
+            external: ExternalMaps::open_pinned(
+                dir,
+                &dir.parent().unwrap_or(dir).join(ferry_common::ct::CT_MAP),
+            ),
         })
     }
 
@@ -114,6 +127,14 @@ impl KernelMaps {
         Ok(c)
     }
 
+    /// The tc path's tables and ranges (empty when the tc maps are not there).
+    pub fn read_external(&self) -> Result<super::external::ExternalContent, MapError> {
+        match &self.external {
+            Some(ext) => ext.read(),
+            None => Ok(Default::default()),
+        }
+    }
+
     /// Counters summed over CPUs, indexed by `COUNT_*`.
     pub fn counters(&self) -> Vec<u64> {
         (0..COUNTERS_LEN)
@@ -129,7 +150,7 @@ impl KernelMaps {
     /// Writes `content` into maps that hold nothing yet (a fresh install): the same order
     /// as a plan (backends, members, slots, then each frontend's slot 0), without building
     /// one, which for 10,000 Services would copy every entry once more.
-    pub fn fill(&mut self, content: &MapContent) -> ApplyReport {
+    pub fn fill(&mut self, content: &MapContent, external: &ExternalPlan) -> ApplyReport {
         let mut r = ApplyReport::default();
         let fail = |r: &mut ApplyReport, what: String| r.failures.push(what);
         for (id, b) in &content.backends {
@@ -146,6 +167,10 @@ impl KernelMaps {
                     format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id),
                 ),
             }
+        }
+        if let Some(ext) = &mut self.external {
+            ext.upsert(external, &mut r.failures);
+            r.writes += external.len();
         }
         for pass_slot0 in [false, true] {
             for (k, v) in content
@@ -206,6 +231,14 @@ impl KernelMaps {
                 )),
             }
         }
+        // The tc path's tables and ranges, before any slot 0 that uses them.
+        let failed_tables = match &mut self.external {
+            Some(ext) => {
+                r.writes += plan.external.maglev_upserts.len() + plan.external.range_upserts.len();
+                ext.upsert(&plan.external, &mut r.failures)
+            }
+            None => Default::default(),
+        };
         for f in &plan.frontends {
             let name = || {
                 format!(
@@ -242,6 +275,18 @@ impl KernelMaps {
             if !ok {
                 continue;
             }
+            let external = f.slot0.scope == ferry_common::lb::SCOPE_EXTERNAL_ORIGIN;
+            if let Some(v) = f
+                .slot0_value
+                .filter(|v| external && failed_tables.contains(&v.svc_id))
+            {
+                r.failures.push(format!(
+                    "{}: the tc entries of service id {} could not be written; frontend left as it was",
+                    name(),
+                    v.svc_id
+                ));
+                continue;
+            }
             if let Some(v) = &f.slot0_value {
                 if let Err(e) = self.services.insert(f.slot0, v, 0) {
                     r.failures.push(format!("{}: {e}", name()));
@@ -252,6 +297,10 @@ impl KernelMaps {
             for k in &f.slot_deletes {
                 self.delete_service(k, &mut r);
             }
+        }
+        if let Some(ext) = &mut self.external {
+            r.writes += plan.external.range_deletes.len() + plan.external.maglev_deletes.len();
+            ext.delete(&plan.external, &mut r.failures);
         }
         for m in &plan.member_deletes {
             match self.members.remove(m) {
@@ -356,6 +405,12 @@ impl KernelMaps {
             let r: HashMap<MapData, RevNatKey, RevNatValue> =
                 HashMap::try_from(Map::LruHashMap(dup(r.map())?)).map_err(std::io::Error::other)?;
             fill.push((SOCK_REVNAT_MAP, hash_fill(r)));
+        }
+        if let Some(ct) = self.external.as_ref().and_then(|e| e.ct.as_ref()) {
+            let ct: HashMap<MapData, CtKey, CtEntry> =
+                HashMap::try_from(Map::LruHashMap(dup(ct.map())?))
+                    .map_err(std::io::Error::other)?;
+            fill.push((CT_MAP, hash_fill(ct)));
         }
         let svc_conns = match &self.observed.svc_conns {
             Some(c) => {

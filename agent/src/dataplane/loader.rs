@@ -17,13 +17,15 @@ use aya::{
 };
 use ferry_common::{
     LAYOUT_VERSION, META_MAP, Meta,
+    ct::{CT_MAP, CtEntry, CtKey},
+    ext::{MAGLEV_MAP, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP},
     lb::{AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, MEMBERS_MAP, SERVICES_MAP},
     metrics::COUNTERS_MAP,
     sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP},
 };
 use tracing::{info, warn};
 
-use super::{bpf_sys, kernel::KernelMaps, plan::Capacity};
+use super::{bpf_sys, kernel::KernelMaps, plan::Capacity, tc};
 
 /// The eBPF object, embedded at build time (empty when it was not built).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ferry.bpf.o"));
@@ -40,7 +42,9 @@ pub const PROGRAMS: [&str; 8] = [
     "ferry_connect6",
 ];
 
-pub const ALL_MAPS: [&str; 8] = [
+/// Maps pinned per layout, in `<bpffs>/v<N>/`. Conntrack is not among them: it is
+/// pinned in `<bpffs>` itself ([`ct_pin`]), so flows survive restarts and migrations.
+pub const ALL_MAPS: [&str; 11] = [
     META_MAP,
     SERVICES_MAP,
     BACKENDS_MAP,
@@ -49,6 +53,9 @@ pub const ALL_MAPS: [&str; 8] = [
     SOCK_REVNAT_MAP,
     COUNTERS_MAP,
     ferry_common::metrics::SVC_CONNS_MAP,
+    MAGLEV_MAP,
+    SOURCE_RANGES_MAP,
+    SNAT_ADDRS_MAP,
 ];
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -108,6 +115,12 @@ pub enum LoaderError {
         path: PathBuf,
         source: aya::pin::PinError,
     },
+    #[error("--devices {device}: {reason}")]
+    Device { device: String, reason: String },
+    #[error(
+        "--devices: the embedded eBPF object has no tc programs (ferry_tc_ingress, ferry_tc_egress); rebuild with `cargo xtask build`"
+    )]
+    NoTcPrograms,
 }
 
 #[derive(Clone, Debug)]
@@ -119,6 +132,10 @@ pub struct LoadOptions {
     pub affinity_entries: u32,
     /// Socket reverse-translation map size.
     pub revnat_entries: u32,
+    /// Devices for the tc programs; empty: none (and links of earlier ones detached).
+    pub devices: Vec<String>,
+    /// tc conntrack map size (LRU; two entries per flow).
+    pub conntrack_entries: u32,
 }
 
 /// The loaded object (kept alive while the agent runs) and handles on its maps.
@@ -147,10 +164,31 @@ pub struct Pending {
     maps_dir: PathBuf,
     /// Older layouts to migrate from (and remove) once the new maps are filled.
     pub migrate_from: Vec<(u32, PathBuf)>,
+    devices: Vec<String>,
 }
 
 fn links_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("links")
+}
+
+/// The conntrack pin, outside every layout directory.
+pub fn ct_pin(bpffs: &Path) -> PathBuf {
+    bpffs.join(CT_MAP)
+}
+
+/// A conntrack pin whose entries have another shape than this build's cannot be shared
+/// (the programs would misread it): it is removed, and the flows it tracked restart.
+fn drop_incompatible_ct(pin: &Path) -> Result<(), LoaderError> {
+    let Ok(info) = MapData::from_pin(pin).and_then(|d| d.info()) else {
+        return Ok(());
+    };
+    let fits = info.key_size() as usize == std::mem::size_of::<CtKey>()
+        && info.value_size() as usize == std::mem::size_of::<CtEntry>();
+    if !fits {
+        warn!(pin = %pin.display(), "conntrack entries changed shape: the pinned table is replaced, tracked flows restart");
+        remove_if_present(pin, &mut Vec::new())?;
+    }
+    Ok(())
 }
 
 /// The map layout this agent writes. `FERRY_LAYOUT_VERSION` overrides it: a rehearsal
@@ -315,6 +353,9 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
             p.1 = old.clone();
         }
     }
+    let ct = ct_pin(&opts.bpffs);
+    drop_incompatible_ct(&ct)?;
+    pins.push((CT_MAP, ct));
     let mut loader = EbpfLoader::new();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
@@ -332,7 +373,12 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         .map_max_entries(
             ferry_common::metrics::SVC_CONNS_MAP,
             opts.capacity.services * HEADROOM,
-        );
+        )
+        // At most one Maglev table and a few ranges per ServicePort; neither map is
+        // preallocated, so the size is only a bound.
+        .map_max_entries(MAGLEV_MAP, opts.capacity.services * HEADROOM)
+        .map_max_entries(SOURCE_RANGES_MAP, opts.capacity.services * HEADROOM)
+        .map_max_entries(CT_MAP, opts.conntrack_entries);
     let mut ebpf = loader.load(OBJECT)?;
 
     for (name, old) in &shared {
@@ -377,6 +423,14 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
             .map_err(prog_err)?;
         prog.load().map_err(prog_err)?;
     }
+    // The tc programs are loaded only when devices need them: an object built before
+    // the tc path still serves an agent without --devices.
+    if !opts.devices.is_empty() {
+        if !tc::has_programs(&ebpf) {
+            return Err(LoaderError::NoTcPrograms);
+        }
+        tc::load(&mut ebpf)?;
+    }
     let maps = KernelMaps::from_ebpf(&mut ebpf)
         .map_err(|(map, source)| LoaderError::Map { map, source })?;
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -392,6 +446,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         bpffs: opts.bpffs.clone(),
         maps_dir: dir,
         migrate_from,
+        devices: opts.devices.clone(),
     };
     Ok(Loaded {
         ebpf,
@@ -414,6 +469,7 @@ pub fn attach(ebpf: &mut Ebpf, p: &Pending) -> Result<(), LoaderError> {
     for name in PROGRAMS {
         attach_or_swap(ebpf, name, &p.cgroup, p.cgroup_id, &p.bpffs)?;
     }
+    tc::attach(ebpf, &p.devices, &links_dir(&p.bpffs))?;
     for (version, old) in &p.migrate_from {
         // Connections made by the old programs while we swapped.
         copy_socket_state(old, &p.maps_dir);
@@ -603,19 +659,23 @@ fn attach_or_swap(
     let link_id = prog
         .attach(cgroup, CgroupAttachMode::Single)
         .map_err(prog_err)?;
-    let link: FdLink = prog
-        .take_link(link_id)
-        .map_err(prog_err)?
+    pin_link(prog.take_link(link_id).map_err(prog_err)?, name, &pin)?;
+    info!(program = name, "attached");
+    Ok(())
+}
+
+/// Pins a link just attached, so that the attachment outlives the agent.
+pub(super) fn pin_link<L>(link: L, program: &'static str, pin: &Path) -> Result<(), LoaderError>
+where
+    L: TryInto<FdLink, Error = aya::programs::links::LinkError>,
+{
+    let link: FdLink = link
         .try_into()
-        .map_err(|source| LoaderError::Link {
-            program: name,
-            source,
-        })?;
-    link.pin(&pin).map_err(|source| LoaderError::Pin {
-        path: pin.clone(),
+        .map_err(|source| LoaderError::Link { program, source })?;
+    link.pin(pin).map_err(|source| LoaderError::Pin {
+        path: pin.into(),
         source,
     })?;
-    info!(program = name, "attached");
     Ok(())
 }
 
@@ -626,6 +686,11 @@ pub fn cleanup(bpffs: &Path) -> Result<Vec<PathBuf>, LoaderError> {
     for name in PROGRAMS {
         remove_if_present(&links.join(name), &mut removed)?;
     }
+    // Every device's tc links, whatever --devices says now (a pin is the attachment).
+    for pin in tc::pins(&links) {
+        remove_if_present(&pin, &mut removed)?;
+    }
+    remove_if_present(&ct_pin(bpffs), &mut removed)?;
     let mut layouts = other_layouts(bpffs, u32::MAX);
     layouts.retain(|(_, d)| d != bpffs);
     for (_, dir) in layouts {
@@ -654,7 +719,10 @@ fn remove_dir_if_present(dir: &Path, removed: &mut Vec<PathBuf>) -> Result<(), L
     }
 }
 
-fn remove_if_present(path: &Path, removed: &mut Vec<PathBuf>) -> Result<(), LoaderError> {
+pub(super) fn remove_if_present(
+    path: &Path,
+    removed: &mut Vec<PathBuf>,
+) -> Result<(), LoaderError> {
     match fs::remove_file(path) {
         Ok(()) => {
             removed.push(path.to_path_buf());

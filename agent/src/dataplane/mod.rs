@@ -7,11 +7,16 @@
 //! - [`bpf_sys`] holds the few raw `bpf(2)` calls aya 0.14 does not expose.
 
 pub mod bpf_sys;
+pub mod ext_maps;
+pub mod external;
 pub mod kernel;
 pub mod loader;
+pub mod maglev;
 pub mod plan;
 pub mod programmed;
+pub mod snat;
 pub mod sockdiag;
+pub mod tc;
 
 pub use kernel::KernelMaps;
 pub use loader::{LoadOptions, attach, cleanup, load};

@@ -17,10 +17,11 @@ use ferry_common::{
         BACKEND_F_LOCAL, BACKEND_F_TERMINATING, Backend, MAX_BACKENDS_PER_SERVICE, MemberKey,
         PROTO_TCP, PROTO_UDP, SCOPE_EXTERNAL_ORIGIN, SCOPE_LOCAL_ORIGIN, SVC_F_AFFINITY,
         SVC_F_DROP, SVC_F_EXTERNAL, SVC_F_LOCAL_POLICY, SVC_F_NODEPORT, SVC_F_REJECT,
-        SVC_F_TERMINATING_FALLBACK, ServiceKey, ServiceValue,
+        SVC_F_SOURCE_RANGES, SVC_F_TERMINATING_FALLBACK, ServiceKey, ServiceValue,
     },
 };
 
+use super::external::ExternalPlan;
 use crate::model::{
     DesiredState, EmptyAction, FrontendKind, FrontendState, Protocol, Scope, ServicePortId,
     ServicePortState,
@@ -67,6 +68,17 @@ pub enum PlanError {
         count: usize,
         max: u16,
     },
+}
+
+impl PlanError {
+    /// The ServicePort that was not (fully) programmed.
+    pub fn service(&self) -> &ServicePortId {
+        match self {
+            PlanError::MapFull { service, .. } | PlanError::TooManyEndpoints { service, .. } => {
+                service
+            }
+        }
+    }
 }
 
 /// What the maps hold (or must hold), as plain ordered collections.
@@ -201,7 +213,7 @@ pub fn proto_name(p: u8) -> &'static str {
     }
 }
 
-fn slot0_key(f: &FrontendState, proto: Protocol) -> ServiceKey {
+pub(crate) fn slot0_key(f: &FrontendState, proto: Protocol) -> ServiceKey {
     ServiceKey {
         addr: addr_of(&f.addr),
         port: f.port.to_be(),
@@ -236,6 +248,11 @@ fn frontend_flags(sp: &ServicePortState, f: &FrontendState) -> u16 {
         FrontendKind::NodePort => flags |= SVC_F_NODEPORT,
         FrontendKind::ExternalIp | FrontendKind::LoadBalancer => flags |= SVC_F_EXTERNAL,
         FrontendKind::ClusterIp => {}
+    }
+    // Source ranges filter LoadBalancer IPs reached from outside only (KP-07).
+    let restricted = f.scope == Scope::ExternalOrigin && f.kind == FrontendKind::LoadBalancer;
+    if restricted && sp.source_ranges.is_some() {
+        flags |= SVC_F_SOURCE_RANGES;
     }
     flags
 }
@@ -423,6 +440,10 @@ pub struct Plan {
     pub frontend_deletes: Vec<ServiceKey>,
     pub member_deletes: Vec<MemberKey>,
     pub backend_deletes: Vec<u32>,
+    /// The tc path's Maglev tables and source ranges, planned by
+    /// [`super::external::External`]: written after the members, before any slot 0;
+    /// removed after every slot 0, before the members.
+    pub external: ExternalPlan,
 }
 
 impl Plan {
@@ -444,6 +465,7 @@ impl Plan {
             + self.frontend_deletes.len()
             + self.member_deletes.len()
             + self.backend_deletes.len()
+            + self.external.len()
     }
 }
 
@@ -586,7 +608,7 @@ pub fn fmt_endpoint(addr: &Addr, port: u16) -> String {
 }
 
 pub fn flag_names(flags: u16) -> String {
-    const NAMES: [(u16, &str); 7] = [
+    const NAMES: [(u16, &str); 8] = [
         (SVC_F_AFFINITY, "affinity"),
         (SVC_F_REJECT, "reject"),
         (SVC_F_DROP, "drop"),
@@ -594,6 +616,7 @@ pub fn flag_names(flags: u16) -> String {
         (SVC_F_LOCAL_POLICY, "local-policy"),
         (SVC_F_NODEPORT, "nodeport"),
         (SVC_F_EXTERNAL, "external"),
+        (SVC_F_SOURCE_RANGES, "source-ranges"),
     ];
     let names: Vec<&str> = NAMES
         .iter()
@@ -625,6 +648,7 @@ pub(crate) mod tests {
             name: "node-a".into(),
             addresses: vec!["192.168.1.10".parse().unwrap()],
             zone: None,
+            ..Default::default()
         }
     }
 
@@ -1034,17 +1058,26 @@ pub(crate) mod tests {
             &p.text(),
             "
             svc 198.51.100.1:80/TCP local slot=0 id=1 count=2 flags=external
+            svc 198.51.100.1:80/TCP external slot=0 id=1 count=2 flags=external
             svc 198.51.100.1:80/TCP local slot=1 backend=1
+            svc 198.51.100.1:80/TCP external slot=1 backend=1
             svc 198.51.100.1:80/TCP local slot=2 backend=2
+            svc 198.51.100.1:80/TCP external slot=2 backend=2
             svc 203.0.113.1:80/TCP local slot=0 id=1 count=2 flags=external
+            svc 203.0.113.1:80/TCP external slot=0 id=1 count=2 flags=external
             svc 203.0.113.1:80/TCP local slot=1 backend=1
+            svc 203.0.113.1:80/TCP external slot=1 backend=1
             svc 203.0.113.1:80/TCP local slot=2 backend=2
+            svc 203.0.113.1:80/TCP external slot=2 backend=2
             svc 10.96.0.10:80/TCP local slot=0 id=1 count=2 flags=-
             svc 10.96.0.10:80/TCP local slot=1 backend=1
             svc 10.96.0.10:80/TCP local slot=2 backend=2
             svc 192.168.1.10:30080/TCP local slot=0 id=1 count=2 flags=nodeport
+            svc 192.168.1.10:30080/TCP external slot=0 id=1 count=2 flags=nodeport
             svc 192.168.1.10:30080/TCP local slot=1 backend=1
+            svc 192.168.1.10:30080/TCP external slot=1 backend=1
             svc 192.168.1.10:30080/TCP local slot=2 backend=2
+            svc 192.168.1.10:30080/TCP external slot=2 backend=2
             backend 1 10.0.0.1:8080/TCP
             backend 2 10.0.0.2:8080/TCP
             member svc=1 backend=1

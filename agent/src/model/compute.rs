@@ -1,5 +1,5 @@
 //! Services + EndpointSlices + this node -> [`DesiredState`]: kube-proxy's decisions
-//! (KP-01, KP-05..08, KP-11..13, KP-16..18), made once, here.
+//! (KP-01, KP-05..13, KP-16..18), made once, here.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -12,13 +12,15 @@ use k8s_openapi::api::{
 };
 
 use super::{
+    cidr::Cidr,
     endpoints::{
         PortEndpoints, SliceIndex, cluster_set, local_set, object_key, parse_protocol,
         skip_by_label,
     },
     types::{
-        DesiredState, EmptyAction, EndpointSet, FrontendKind, FrontendState, IpFamily, NodeInfo,
-        Problem, Protocol, Scope, ServicePortId, ServicePortState, Skip,
+        DesiredState, EmptyAction, EndpointSet, FrontendKind, FrontendState, HealthCheck, IpFamily,
+        NodeInfo, NodePortAddresses, Problem, Protocol, Scope, ServicePortId, ServicePortState,
+        Skip,
     },
 };
 
@@ -66,13 +68,26 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
     out
 }
 
-/// NodePorts are served on the node's addresses, never on loopback (KP-06).
+/// NodePorts are served on the node's addresses, never on loopback, and only on those
+/// `--nodeport-addresses` admits (KP-06).
 fn node_addresses(node: &NodeInfo) -> Vec<IpAddr> {
+    let primary = node.primary();
+    let admitted = |a: &IpAddr| match &node.nodeport_addresses {
+        NodePortAddresses::All => true,
+        NodePortAddresses::Primary => primary.contains(a),
+        // A family that no CIDR names is not filtered (kube-proxy's MatchAll per family).
+        NodePortAddresses::Cidrs(cidrs) => {
+            let family = IpFamily::of(a);
+            let mut of_family = cidrs.iter().filter(|c| c.family() == family).peekable();
+            of_family.peek().is_none() || of_family.any(|c| c.contains(a))
+        }
+    };
     let mut addrs: Vec<IpAddr> = node
         .addresses
         .iter()
         .copied()
         .filter(|a| !a.is_loopback() && !a.is_unspecified() && !a.is_multicast())
+        .filter(admitted)
         .collect();
     addrs.sort();
     addrs.dedup();
@@ -116,6 +131,13 @@ struct ParsedService {
     external_ips: Vec<SourcedIp>,
     lb_ips: Vec<SourcedIp>,
     internal_local: bool,
+    /// externalTrafficPolicy Local on an externally reachable Service (KP-09).
+    external_local: bool,
+    /// Valid `loadBalancerSourceRanges`, every family; `None` when unset. Empty when
+    /// every entry was invalid: the LB then admits nobody rather than everybody.
+    source_ranges: Option<Vec<Cidr>>,
+    /// `spec.healthCheckNodePort` of a LoadBalancer with externalTrafficPolicy Local.
+    health_check_port: Option<u16>,
     affinity_timeout_s: Option<u32>,
 }
 
@@ -215,6 +237,7 @@ fn cluster_ip_list(spec: &ServiceSpec) -> (Vec<String>, &'static str) {
 fn validate(service: &Service, spec: &ServiceSpec, check: &mut Check) -> ParsedService {
     let (namespace, name) = object_key(&service.metadata);
     check_type(spec, check);
+    let external_local = external_local(spec, check);
     ParsedService {
         namespace,
         name,
@@ -224,6 +247,9 @@ fn validate(service: &Service, spec: &ServiceSpec, check: &mut Check) -> ParsedS
         external_ips: external_ips(spec, check),
         lb_ips: lb_ips(service, check),
         internal_local: internal_local(spec, check),
+        external_local,
+        source_ranges: source_ranges(spec, check),
+        health_check_port: health_check_port(spec, external_local, check),
         affinity_timeout_s: affinity(spec, check),
     }
 }
@@ -385,6 +411,69 @@ fn internal_local(spec: &ServiceSpec, check: &mut Check) -> bool {
     }
 }
 
+/// externalTrafficPolicy Local, which counts only for Services reachable from outside
+/// (kube-proxy's `ExternallyAccessible`: NodePort and LoadBalancer types, externalIPs).
+fn external_local(spec: &ServiceSpec, check: &mut Check) -> bool {
+    let local = match spec.external_traffic_policy.as_deref() {
+        None | Some("Cluster") => false,
+        Some("Local") => true,
+        Some(other) => {
+            let message = format!("unknown policy {other:?} (want Cluster or Local)");
+            check.bad("spec.externalTrafficPolicy", message);
+            false
+        }
+    };
+    let reachable = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
+        || spec
+            .external_ips
+            .as_ref()
+            .is_some_and(|ips| !ips.is_empty());
+    local && reachable
+}
+
+/// `loadBalancerSourceRanges` (KP-07). The API validates them; a bad one (manifests) is
+/// reported and skipped, and the others still apply.
+fn source_ranges(spec: &ServiceSpec, check: &mut Check) -> Option<Vec<Cidr>> {
+    let list = spec.load_balancer_source_ranges.as_ref()?;
+    if list.is_empty() {
+        return None;
+    }
+    let mut ranges = Vec::new();
+    for (i, text) in list.iter().enumerate() {
+        match text.parse::<Cidr>() {
+            Ok(c) => ranges.push(c),
+            Err(e) => {
+                let closed = if i + 1 == list.len() && ranges.is_empty() {
+                    "; no valid range is left, so the LoadBalancer admits no client from outside"
+                } else {
+                    ""
+                };
+                check.note(
+                    format!("spec.loadBalancerSourceRanges[{i}]"),
+                    format!("{e}; entry ignored{closed}"),
+                );
+            }
+        }
+    }
+    Some(ranges)
+}
+
+/// The healthCheckNodePort, for a LoadBalancer with externalTrafficPolicy Local (KP-10).
+fn health_check_port(spec: &ServiceSpec, external_local: bool, check: &mut Check) -> Option<u16> {
+    if !external_local || spec.type_.as_deref() != Some("LoadBalancer") {
+        return None;
+    }
+    let port = spec.health_check_node_port?;
+    let valid = u16::try_from(port).ok().filter(|p| *p > 0);
+    if valid.is_none() && port != 0 {
+        check.note(
+            "spec.healthCheckNodePort",
+            format!("{port} out of range 1-65535; no health check server"),
+        );
+    }
+    valid
+}
+
 /// ClientIP affinity timeout (KP-13); unset timeout means the API default.
 fn affinity(spec: &ServiceSpec, check: &mut Check) -> Option<u32> {
     match spec.session_affinity.as_deref() {
@@ -447,6 +536,15 @@ impl Emitter<'_> {
                 self.service_port(svc, cluster_ip, port, out);
             }
         }
+        if let (Some(port), Some(primary)) = (svc.health_check_port, svc.cluster_ips.first()) {
+            let local_endpoints = self.local_ready(svc, IpFamily::of(&primary.addr));
+            let key = (svc.namespace.clone(), svc.name.clone());
+            let check = HealthCheck {
+                port,
+                local_endpoints,
+            };
+            out.health_checks.insert(key, check);
+        }
         // kube-proxy skips a family the Service has no ClusterIP for (KP-01, KP-16).
         for family in self.index.families(&svc.namespace, &svc.name) {
             if !svc
@@ -488,6 +586,7 @@ impl Emitter<'_> {
             .unwrap_or(&empty);
         let cluster = backend_set(endpoints, self.node, false);
         let internal = backend_set(endpoints, self.node, svc.internal_local);
+        let external = backend_set(endpoints, self.node, svc.external_local);
         let node_port_field = format!("spec.ports[{}].nodePort", port.index);
         let mut frontends = Vec::new();
         for candidate in candidates(
@@ -499,19 +598,82 @@ impl Emitter<'_> {
             &cluster,
             &internal,
         ) {
+            let reachable_from_outside = candidate.kind != FrontendKind::ClusterIp;
             if let Some(frontend) = self.claim(&id, port.protocol, candidate, &svc.object, out) {
+                // Traffic from outside the node (tc path) follows externalTrafficPolicy.
+                if reachable_from_outside {
+                    frontends.push(FrontendState {
+                        scope: Scope::ExternalOrigin,
+                        set: external.clone(),
+                        ..frontend.clone()
+                    });
+                }
                 frontends.push(frontend);
             }
         }
         frontends.sort_by_key(|f| (f.scope, f.addr, f.port, f.kind));
+        let has_lb = frontends
+            .iter()
+            .any(|f| f.kind == FrontendKind::LoadBalancer);
+        let source_ranges = if has_lb {
+            self.source_ranges(svc, family)
+        } else {
+            None
+        };
         if !frontends.is_empty() {
             let state = ServicePortState {
                 id: id.clone(),
                 affinity_timeout_s: svc.affinity_timeout_s,
                 frontends,
+                source_ranges,
             };
             out.services.insert(id, state);
         }
+    }
+
+    /// The ranges of `family`, or `None` (no restriction) when the Service lists ranges
+    /// of the other family only, as kube-proxy's per-family proxier does. When a range
+    /// holds the node's primary address, the LB IPs are allowed as sources too: a
+    /// VIP-like LB routes the node's own requests back with the VIP as source (KP-07).
+    fn source_ranges(&self, svc: &ParsedService, family: IpFamily) -> Option<Vec<Cidr>> {
+        let all = svc.source_ranges.as_ref()?;
+        if all.is_empty() {
+            return Some(Vec::new());
+        }
+        let mut ranges: Vec<Cidr> = all
+            .iter()
+            .filter(|c| c.family() == family)
+            .copied()
+            .collect();
+        if ranges.is_empty() {
+            return None;
+        }
+        let primary = self.node.primary();
+        if ranges.iter().any(|c| primary.iter().any(|p| c.contains(p))) {
+            let vips = svc
+                .lb_ips
+                .iter()
+                .filter(|ip| IpFamily::of(&ip.addr) == family);
+            ranges.extend(vips.map(|ip| Cidr::host(ip.addr)));
+        }
+        ranges.sort();
+        ranges.dedup();
+        Some(ranges)
+    }
+
+    /// Distinct ready endpoints on this node over the Service's ports, in `family`.
+    fn local_ready(&self, svc: &ParsedService, family: IpFamily) -> usize {
+        let key = (svc.namespace.as_str(), svc.name.as_str());
+        let mut addrs = BTreeSet::new();
+        for port in &svc.ports {
+            let endpoints = self.index.endpoints(key, family, &port.name, port.protocol);
+            for (&(addr, _), c) in endpoints.into_iter().flatten() {
+                if c.local && c.ready {
+                    addrs.insert(addr);
+                }
+            }
+        }
+        addrs.len()
     }
 
     /// Keeps the frontend if its (addr, port, protocol) is free, else reports it.
@@ -545,9 +707,10 @@ impl Emitter<'_> {
     }
 }
 
-/// Every frontend one ServicePort of one family asks for, in claim order: ClusterIP,
-/// externalIPs, LB IPs, NodePorts. Only the ClusterIP honours internalTrafficPolicy;
-/// local-origin traffic to external destinations short-circuits to the cluster set (KP-09).
+/// Every local-origin frontend one ServicePort of one family asks for, in claim order:
+/// ClusterIP, externalIPs, LB IPs, NodePorts. Only the ClusterIP honours
+/// internalTrafficPolicy; local-origin traffic to external destinations short-circuits to
+/// the cluster set (KP-09).
 fn candidates<'a>(
     svc: &'a ParsedService,
     cluster_ip: &'a SourcedIp,
@@ -650,6 +813,7 @@ pub(crate) mod testutil {
                 .map(|a| a.parse::<IpAddr>().unwrap())
                 .collect(),
             zone: None,
+            ..Default::default()
         }
     }
 
@@ -984,10 +1148,16 @@ mod tests {
             default/ds:http/TCP/IPv4 nodePort 192.168.1.10:30080 local-origin -> 10.0.0.1:8080
             default/ds:http/TCP/IPv4 loadBalancer 198.51.100.1:80 local-origin -> 10.0.0.1:8080
             default/ds:http/TCP/IPv4 externalIP 203.0.113.250:80 local-origin -> 10.0.0.1:8080
+            default/ds:http/TCP/IPv4 nodePort 192.168.1.10:30080 external-origin -> 10.0.0.1:8080
+            default/ds:http/TCP/IPv4 loadBalancer 198.51.100.1:80 external-origin -> 10.0.0.1:8080
+            default/ds:http/TCP/IPv4 externalIP 203.0.113.250:80 external-origin -> 10.0.0.1:8080
             default/ds:http/TCP/IPv6 loadBalancer [2001:db8::1]:80 local-origin -> [fd00:10::1]:8080
             default/ds:http/TCP/IPv6 externalIP [2001:db8::cb00:71fa]:80 local-origin -> [fd00:10::1]:8080
             default/ds:http/TCP/IPv6 nodePort [fd00:1::10]:30080 local-origin -> [fd00:10::1]:8080
             default/ds:http/TCP/IPv6 clusterIP [fd00:96::40]:80 local-origin -> [fd00:10::1]:8080
+            default/ds:http/TCP/IPv6 loadBalancer [2001:db8::1]:80 external-origin -> [fd00:10::1]:8080
+            default/ds:http/TCP/IPv6 externalIP [2001:db8::cb00:71fa]:80 external-origin -> [fd00:10::1]:8080
+            default/ds:http/TCP/IPv6 nodePort [fd00:1::10]:30080 external-origin -> [fd00:10::1]:8080
             ",
         );
     }
@@ -1047,6 +1217,8 @@ mod tests {
             default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             default/web:http/TCP/IPv4 loadBalancer 198.51.100.1:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             default/web:http/TCP/IPv4 loadBalancer 198.51.100.2:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
+            default/web:http/TCP/IPv4 loadBalancer 198.51.100.1:80 external-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
+            default/web:http/TCP/IPv4 loadBalancer 198.51.100.2:80 external-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             problem: Service default/web: status.loadBalancer.ingress[4].ipMode: unknown ipMode "Tunnel"; entry ignored
             problem: Service default/web: status.loadBalancer.ingress[5].ip: not an IP address: "198.51.100.300"; entry ignored
             "#,
@@ -1070,6 +1242,7 @@ mod tests {
             "
             default/ext:/TCP/IPv4 clusterIP 10.96.0.50:80 local-origin -> reject
             default/ext:/TCP/IPv4 externalIP 203.0.113.250:80 local-origin -> reject
+            default/ext:/TCP/IPv4 externalIP 203.0.113.250:80 external-origin -> reject
             ",
         );
     }
@@ -1090,6 +1263,7 @@ mod tests {
             .map(|a| a.parse().unwrap())
             .collect(),
             zone: None,
+            ..Default::default()
         };
         let yaml = with_web_slice(
             r#"
@@ -1109,6 +1283,8 @@ mod tests {
             default/web:http/TCP/IPv4 nodePort 10.1.0.2:30080 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
+            default/web:http/TCP/IPv4 nodePort 10.1.0.2:30080 external-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
+            default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 external-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             default/web:other/TCP/IPv4 clusterIP 10.96.0.10:81 local-origin -> reject
             ",
         );
@@ -1138,6 +1314,8 @@ mod tests {
             default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) [local-policy]
             default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 local-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
+            default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 external-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
+            default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 external-origin -> 10.0.0.1:8080(local) 10.0.0.2:8080
             ",
         );
     }
@@ -1202,6 +1380,7 @@ mod tests {
             default/nowhere:/TCP/IPv4 clusterIP 10.96.0.2:80 local-origin -> reject [local-policy]
             default/terminating:/TCP/IPv4 clusterIP 10.96.0.3:80 local-origin -> 10.0.0.3:8080(local,terminating) [local-policy] [terminating-fallback]
             default/terminating:/TCP/IPv4 externalIP 203.0.113.3:80 local-origin -> 10.0.0.5:8080
+            default/terminating:/TCP/IPv4 externalIP 203.0.113.3:80 external-origin -> 10.0.0.5:8080
             ",
         );
     }
@@ -1300,8 +1479,10 @@ mod tests {
             "
             default/alpha:/TCP/IPv4 clusterIP 10.96.0.1:80 local-origin -> reject
             default/alpha:/TCP/IPv4 externalIP 203.0.113.9:80 local-origin -> reject
+            default/alpha:/TCP/IPv4 externalIP 203.0.113.9:80 external-origin -> reject
             default/alpha:udp/UDP/IPv4 clusterIP 10.96.0.1:80 local-origin -> reject
             default/alpha:udp/UDP/IPv4 externalIP 203.0.113.9:80 local-origin -> reject
+            default/alpha:udp/UDP/IPv4 externalIP 203.0.113.9:80 external-origin -> reject
             default/zeta:/TCP/IPv4 clusterIP 10.96.0.2:80 local-origin -> reject
             problem: Service default/alpha: metadata.name: defined twice; the first is kept
             problem: Service default/zeta: spec.externalIPs[0]: 203.0.113.9:80/TCP is already the externalIP of default/alpha:/TCP/IPv4; externalIP ignored
@@ -1333,6 +1514,7 @@ mod tests {
             "
             default/a:/TCP/IPv4 clusterIP 10.96.0.1:80 local-origin -> reject
             default/a:/TCP/IPv4 externalIP 198.51.100.1:80 local-origin -> reject
+            default/a:/TCP/IPv4 externalIP 198.51.100.1:80 external-origin -> reject
             problem: Service default/a: status.loadBalancer.ingress[0].ip: 198.51.100.1:80/TCP is already the externalIP of default/a:/TCP/IPv4; loadBalancer ignored
             problem: Service default/b: spec.clusterIP: 10.96.0.1:80/TCP is already the clusterIP of default/a:/TCP/IPv4; clusterIP ignored
             ",
@@ -1536,6 +1718,8 @@ mod tests {
             default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080(local) [local-policy]
             default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 local-origin -> 10.0.0.2:8080 [topology]
             default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 local-origin -> 10.0.0.2:8080 [topology]
+            default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 external-origin -> 10.0.0.2:8080 [topology]
+            default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 external-origin -> 10.0.0.2:8080 [topology]
             ",
         );
     }

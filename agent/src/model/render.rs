@@ -3,9 +3,12 @@
 
 use std::{fmt::Write as _, net::SocketAddr};
 
-use super::types::{DesiredState, EmptyAction, Endpoint, FrontendState, Scope, ServicePortState};
+use super::types::{
+    DesiredState, EmptyAction, Endpoint, FrontendKind, FrontendState, Scope, ServicePortState,
+};
 
-/// Renders frontends (in ServicePort then frontend order), then problems, then skips:
+/// Renders frontends (in ServicePort then frontend order), then health checks, problems
+/// and skips:
 ///
 /// `default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 [affinity=10800s]`
 pub fn render(state: &DesiredState) -> String {
@@ -15,6 +18,13 @@ pub fn render(state: &DesiredState) -> String {
             text.push_str(&frontend_line(service_port, frontend));
             text.push('\n');
         }
+    }
+    for ((namespace, name), check) in &state.health_checks {
+        let _ = writeln!(
+            text,
+            "healthCheckNodePort: {namespace}/{name} port={} localEndpoints={}",
+            check.port, check.local_endpoints
+        );
     }
     for problem in &state.problems {
         // Writing to a String cannot fail.
@@ -61,6 +71,17 @@ fn frontend_line(service_port: &ServicePortState, frontend: &FrontendState) -> S
     if let Some(timeout) = service_port.affinity_timeout_s {
         let _ = write!(line, " [affinity={timeout}s]");
     }
+    let restricted =
+        frontend.scope == Scope::ExternalOrigin && frontend.kind == FrontendKind::LoadBalancer;
+    if let (true, Some(ranges)) = (restricted, &service_port.source_ranges) {
+        let list: Vec<String> = ranges.iter().map(|c| c.to_string()).collect();
+        let list = if list.is_empty() {
+            "none".to_string()
+        } else {
+            list.join(",")
+        };
+        let _ = write!(line, " [source-ranges={list}]");
+    }
     line
 }
 
@@ -94,8 +115,8 @@ mod tests {
 
     use super::{super::compute::testutil::dedent, render};
     use crate::model::{
-        DesiredState, EmptyAction, Endpoint, EndpointSet, FrontendKind, FrontendState, IpFamily,
-        Problem, Protocol, Scope, ServicePortId, ServicePortState, Skip,
+        DesiredState, EmptyAction, Endpoint, EndpointSet, FrontendKind, FrontendState, HealthCheck,
+        IpFamily, Problem, Protocol, Scope, ServicePortId, ServicePortState, Skip,
     };
 
     fn id(name: &str, port_name: &str, family: IpFamily) -> ServicePortId {
@@ -163,6 +184,7 @@ mod tests {
                 web.clone(),
                 ServicePortState {
                     id: web,
+                    source_ranges: None,
                     affinity_timeout_s: Some(10800),
                     frontends: vec![
                         frontend(
@@ -183,6 +205,7 @@ mod tests {
                 v6.clone(),
                 ServicePortState {
                     id: v6,
+                    source_ranges: Some(vec!["2001:db8::/32".parse().unwrap()]),
                     affinity_timeout_s: None,
                     frontends: vec![
                         frontend("fd00::10", 80, FrontendKind::ClusterIp, dropped),
@@ -192,12 +215,29 @@ mod tests {
                             FrontendKind::LoadBalancer,
                             set(vec![], EmptyAction::Reject),
                         ),
+                        FrontendState {
+                            scope: Scope::ExternalOrigin,
+                            ..frontend(
+                                "2001:db8::1",
+                                80,
+                                FrontendKind::LoadBalancer,
+                                set(vec![], EmptyAction::Reject),
+                            )
+                        },
                     ],
                 },
             ),
         ]);
         let state = DesiredState {
             services,
+            health_checks: [(
+                ("default".to_owned(), "web".to_owned()),
+                HealthCheck {
+                    port: 32000,
+                    local_endpoints: 1,
+                },
+            )]
+            .into(),
             problems: vec![Problem {
                 object: "Service default/x".to_owned(),
                 field: "spec.ports[1].port".to_owned(),
@@ -213,9 +253,11 @@ mod tests {
             "
             default/v6:/TCP/IPv6 clusterIP [fd00::10]:80 local-origin -> drop [local-policy]
             default/v6:/TCP/IPv6 loadBalancer [2001:db8::1]:80 local-origin -> reject
+            default/v6:/TCP/IPv6 loadBalancer [2001:db8::1]:80 external-origin -> reject [source-ranges=2001:db8::/32]
             default/web:http/TCP/IPv4 clusterIP 10.96.0.10:80 local-origin -> 10.0.0.1:8080 10.0.0.2:8080(local) [affinity=10800s]
             default/web:http/TCP/IPv4 externalIP 203.0.113.1:80 local-origin -> 10.0.0.2:8080(local) [topology] [affinity=10800s]
             default/web:http/TCP/IPv4 nodePort 192.168.1.10:30080 external-origin -> 10.0.0.3:8080(terminating) [terminating-fallback] [affinity=10800s]
+            healthCheckNodePort: default/web port=32000 localEndpoints=1
             problem: Service default/x: spec.ports[1].port: port 0 out of range 1-65535
             skip: Service default/y headless clusterIP None
             ",

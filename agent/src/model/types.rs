@@ -2,16 +2,75 @@
 
 use std::{collections::BTreeMap, fmt, net::IpAddr};
 
+use super::cidr::Cidr;
+
 /// What the model knows about the node it programs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeInfo {
     /// This node's name: endpoints with `nodeName` equal to it are local.
     pub name: String,
-    /// Addresses NodePorts are served on (never loopback), both families.
+    /// The node's addresses (never loopback), both families: NodePorts are served on
+    /// those that `nodeport_addresses` admits.
     pub addresses: Vec<IpAddr>,
     /// The Node's `topology.kubernetes.io/zone` label; `None` when unlabelled, which
     /// disables zone hints (KP-12).
     pub zone: Option<String>,
+    /// `--nodeport-addresses` (KP-06).
+    pub nodeport_addresses: NodePortAddresses,
+    /// The node's primary address per family (kube-proxy's node IPs): `--nodeport-addresses
+    /// primary`, and the source-range allowance (KP-07). Empty: the first of `addresses`
+    /// per family.
+    pub primary_ips: Vec<IpAddr>,
+}
+
+/// kube-proxy's `--nodeport-addresses`: which node addresses serve NodePorts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Every node address (kube-proxy's default when the option is unset).
+    #[default]
+    All,
+    /// The node's primary address of each family.
+    Primary,
+    /// Addresses inside these CIDRs; a family no CIDR names keeps all its addresses.
+    Cidrs(Vec<Cidr>),
+}
+
+impl NodePortAddresses {
+    /// Parses the flag's list: `primary` alone, or CIDRs.
+    pub fn parse(items: &[String]) -> Result<NodePortAddresses, String> {
+        match items {
+            [] => Ok(NodePortAddresses::All),
+            [one] if one.trim() == "primary" => Ok(NodePortAddresses::Primary),
+            _ => {
+                let mut cidrs = Vec::new();
+                for item in items {
+                    if item.trim() == "primary" {
+                        return Err("\"primary\" cannot be combined with CIDRs".into());
+                    }
+                    cidrs.push(item.parse::<Cidr>()?);
+                }
+                Ok(NodePortAddresses::Cidrs(cidrs))
+            }
+        }
+    }
+}
+
+impl NodeInfo {
+    /// The primary address of each family: `primary_ips`, else the first address.
+    pub fn primary(&self) -> Vec<IpAddr> {
+        let source = if self.primary_ips.is_empty() {
+            &self.addresses
+        } else {
+            &self.primary_ips
+        };
+        let mut out: Vec<IpAddr> = Vec::new();
+        for ip in source {
+            if !out.iter().any(|o| IpFamily::of(o) == IpFamily::of(ip)) {
+                out.push(*ip);
+            }
+        }
+        out
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -94,8 +153,9 @@ impl fmt::Display for FrontendKind {
     }
 }
 
-/// Where the traffic starts. Socket hooks serve `LocalOrigin`; the tc path (a later
-/// issue) serves `ExternalOrigin`, where externalTrafficPolicy applies.
+/// Where the traffic starts. Socket hooks serve `LocalOrigin` (external frontends
+/// short-circuit to the cluster set there, KP-09); the tc path serves `ExternalOrigin`,
+/// where externalTrafficPolicy applies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Scope {
     LocalOrigin,
@@ -154,6 +214,20 @@ pub struct ServicePortState {
     pub affinity_timeout_s: Option<u32>,
     /// Sorted by (scope, addr, port, kind).
     pub frontends: Vec<FrontendState>,
+    /// `loadBalancerSourceRanges` of this family, plus the LB IPs themselves when a range
+    /// holds the node's primary address (KP-07). They restrict the external-origin
+    /// LoadBalancer frontends only. `None`: no restriction.
+    pub source_ranges: Option<Vec<Cidr>>,
+}
+
+/// A Service that needs a healthCheckNodePort server (type LoadBalancer with
+/// externalTrafficPolicy Local, KP-10).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub port: u16,
+    /// Ready endpoints on this node (kube-proxy's `localEndpoints`: terminating ones do
+    /// not count), distinct addresses of the Service's primary family.
+    pub local_endpoints: usize,
 }
 
 /// A bad object or field: reported (logged, counted) and skipped; never fatal.
@@ -186,6 +260,8 @@ pub struct Skip {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
     pub services: BTreeMap<ServicePortId, ServicePortState>,
+    /// (namespace, name) -> its healthCheckNodePort.
+    pub health_checks: BTreeMap<(String, String), HealthCheck>,
     pub problems: Vec<Problem>,
     pub skips: Vec<Skip>,
 }

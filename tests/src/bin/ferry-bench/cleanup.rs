@@ -72,7 +72,12 @@ fn release(r: &Res) {
             unsafe { libc::kill(*pid, libc::SIGKILL) };
         }
         Res::Pins(dir) => {
-            quiet(Command::new(bin("ferry")).arg("cleanup").arg("--bpffs").arg(dir));
+            quiet(
+                Command::new(bin("ferry"))
+                    .arg("cleanup")
+                    .arg("--bpffs")
+                    .arg(dir),
+            );
             let _ = fs::remove_dir(dir);
         }
         Res::Cgroup(dir) => {

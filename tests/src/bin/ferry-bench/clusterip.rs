@@ -111,15 +111,21 @@ impl Args {
                         return Err("--services: at least 1".into());
                     }
                 }
-                "--rounds" => self.rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?,
+                "--rounds" => {
+                    self.rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?
+                }
                 "--seconds" => {
                     let s: f64 = value()?.parse().map_err(|e| format!("--seconds: {e}"))?;
                     self.tcp = Duration::from_secs_f64(s);
                     self.udp = Duration::from_secs_f64(s);
                     self.latency = Duration::from_secs_f64(s / 2.0);
                 }
-                "--workers" => self.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?,
-                "--changes" => self.changes = value()?.parse().map_err(|e| format!("--changes: {e}"))?,
+                "--workers" => {
+                    self.workers = value()?.parse().map_err(|e| format!("--workers: {e}"))?
+                }
+                "--changes" => {
+                    self.changes = value()?.parse().map_err(|e| format!("--changes: {e}"))?
+                }
                 "--no-profile" => self.profile = false,
                 other => return Err(format!("unknown flag {other}")),
             }
@@ -176,7 +182,11 @@ fn changed_index(n: usize) -> Option<usize> {
 
 /// Writes ferry's manifests: 1,000 Services a file; the changed Service and the
 /// measured one in files of their own, so that a change re-reads one small file.
-fn write_manifests(dir: &Path, ports: &[ServicePort], changed: Option<usize>) -> Result<(), String> {
+fn write_manifests(
+    dir: &Path,
+    ports: &[ServicePort],
+    changed: Option<usize>,
+) -> Result<(), String> {
     fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let w = |name: &str, items: Vec<Value>| {
         fs::write(dir.join(name), layouts::list(items)).map_err(|e| format!("{name}: {e}"))
@@ -251,7 +261,10 @@ impl Topology {
             "--size",
             &REQUEST_BYTES.to_string(),
             "--udp",
-            &(0..ENDPOINTS).map(|e| backend(e).to_string()).collect::<Vec<_>>().join(","),
+            &(0..ENDPOINTS)
+                .map(|e| backend(e).to_string())
+                .collect::<Vec<_>>()
+                .join(","),
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -316,7 +329,8 @@ impl Ferry {
     /// Starts the agent on the manifests; returns the time to /healthz 200.
     fn start(&mut self, entries: usize, backends: usize) -> Result<Duration, String> {
         let cap = |n: usize| ((n + n / 4 + 64).next_power_of_two().max(65536)) as u32;
-        let log = fs::File::create(&self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
+        let log =
+            fs::File::create(&self.log).map_err(|e| format!("{}: {e}", self.log.display()))?;
         let mut cmd = Command::new(bin("ferry"));
         cmd.arg("agent")
             .arg("--manifests")
@@ -326,7 +340,12 @@ impl Ferry {
             .arg("--bpffs")
             .arg(&self.bpffs)
             .args(["--node-name", "bench-node", "--node-ip", "172.30.1.1"])
-            .args(["--health-addr", "127.0.0.1:10256", "--metrics-addr", "127.0.0.1:10249"])
+            .args([
+                "--health-addr",
+                "127.0.0.1:10256",
+                "--metrics-addr",
+                "127.0.0.1:10249",
+            ])
             .arg("--max-services")
             .arg(cap(entries).to_string())
             .arg("--max-backends")
@@ -338,7 +357,11 @@ impl Ferry {
         let t0 = Instant::now();
         self.agent = Some(Proc::new(spawn_in(&self.ns, None, &mut cmd)));
         loop {
-            if let Some(st) = self.agent.as_mut().and_then(|p| p.child.try_wait().ok().flatten()) {
+            if let Some(st) = self
+                .agent
+                .as_mut()
+                .and_then(|p| p.child.try_wait().ok().flatten())
+            {
                 return Err(format!(
                     "the agent exited ({st}) before /healthz answered 200; log {}:\n{}",
                     self.log.display(),
@@ -356,7 +379,10 @@ impl Ferry {
     }
 
     fn services_map(&self) -> Result<BpfHashMap<MapData, ServiceKey, ServiceValue>, String> {
-        let path = self.bpffs.join(format!("v{LAYOUT_VERSION}")).join(SERVICES_MAP);
+        let path = self
+            .bpffs
+            .join(format!("v{LAYOUT_VERSION}"))
+            .join(SERVICES_MAP);
         let data = MapData::from_pin(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         BpfHashMap::try_from(Map::HashMap(data)).map_err(|e| format!("{}: {e}", path.display()))
     }
@@ -364,11 +390,14 @@ impl Ferry {
     /// The programs attached to ferry's cgroup: (id, attach type).
     fn programs(&self) -> Result<Vec<(u64, String)>, String> {
         let out = sh(&format!("bpftool -j cgroup show {}", self.cgroup.display()))?;
-        let v: Value = serde_json::from_str(&out).map_err(|e| format!("bpftool cgroup show: {e}"))?;
+        let v: Value =
+            serde_json::from_str(&out).map_err(|e| format!("bpftool cgroup show: {e}"))?;
         Ok(v.as_array()
             .map(|a| {
                 a.iter()
-                    .filter_map(|p| Some((p["id"].as_u64()?, p["attach_type"].as_str()?.to_string())))
+                    .filter_map(|p| {
+                        Some((p["id"].as_u64()?, p["attach_type"].as_str()?.to_string()))
+                    })
                     .collect()
             })
             .unwrap_or_default())
@@ -399,7 +428,13 @@ fn timed(ns: &str, tool: &str, input: &Path) -> Result<f64, String> {
             .nth(1)
             .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
             .and_then(|n| n.parse::<usize>().ok())
-            .and_then(|n| fs::read_to_string(input).ok()?.lines().nth(n - 1).map(String::from));
+            .and_then(|n| {
+                fs::read_to_string(input)
+                    .ok()?
+                    .lines()
+                    .nth(n - 1)
+                    .map(String::from)
+            });
         match line {
             Some(l) => format!("{e}\n   that line: {l}"),
             None => e,
@@ -416,7 +451,16 @@ fn target_of(variant: &str, n: usize) -> SocketAddr {
 }
 
 /// One measurement of one variant.
-fn measure(topo: &Topology, ferry: &Ferry, variant: &str, n: usize, mode: Mode, workers: usize, dur: Duration, warmup: Duration) -> Result<load::Outcome, String> {
+fn measure(
+    topo: &Topology,
+    ferry: &Ferry,
+    variant: &str,
+    n: usize,
+    mode: Mode,
+    workers: usize,
+    dur: Duration,
+    warmup: Duration,
+) -> Result<load::Outcome, String> {
     let spec = Spec {
         mode,
         addr: target_of(variant, n),
@@ -431,10 +475,19 @@ fn measure(topo: &Topology, ferry: &Ferry, variant: &str, n: usize, mode: Mode, 
 }
 
 /// Programs N Services for every variant; returns the programming times in ms.
-fn program(topo: &Topology, ferry: &mut Ferry, ports: &[ServicePort], n: usize, workdir: &Path) -> Result<Value, String> {
+fn program(
+    topo: &Topology,
+    ferry: &mut Ferry,
+    ports: &[ServicePort],
+    n: usize,
+    workdir: &Path,
+) -> Result<Value, String> {
     let ipt_file = workdir.join(format!("iptables-{n}.rules"));
     let nft_file = workdir.join(format!("nft-{n}.nft"));
-    let _files = (hold(Res::Dir(ipt_file.clone())), hold(Res::Dir(nft_file.clone())));
+    let _files = (
+        hold(Res::Dir(ipt_file.clone())),
+        hold(Res::Dir(nft_file.clone())),
+    );
     let t = Instant::now();
     write_manifests(&ferry.manifests, ports, changed_index(n))?;
     let ipt = layouts::iptables_full(ports);
@@ -451,34 +504,57 @@ fn program(topo: &Topology, ferry: &mut Ferry, ports: &[ServicePort], n: usize, 
     let ferry_ms = ferry.start(entries, n * ENDPOINTS + 16)?.as_secs_f64() * 1000.0;
     let ipt_ms = timed(topo.client("iptables"), IPTABLES_RESTORE, &ipt_file)?;
     let nft_ms = timed(topo.client("nftables"), "nft -f -", &nft_file)?;
-    eprintln!("   programmed: ferry {ferry_ms:.0} ms (agent start to /healthz), iptables-restore {ipt_ms:.0} ms, nft -f {nft_ms:.0} ms");
-    Ok(json!({"ferry_ms": ferry_ms, "iptables_ms": ipt_ms, "nftables_ms": nft_ms,
-              "iptables_lines": ipt.lines().count(), "nft_lines": nft.lines().count()}))
+    eprintln!(
+        "   programmed: ferry {ferry_ms:.0} ms (agent start to /healthz), iptables-restore {ipt_ms:.0} ms, nft -f {nft_ms:.0} ms"
+    );
+    Ok(
+        json!({"ferry_ms": ferry_ms, "iptables_ms": ipt_ms, "nftables_ms": nft_ms,
+              "iptables_lines": ipt.lines().count(), "nft_lines": nft.lines().count()}),
+    )
 }
 
 /// Times `changes` single-Service endpoint changes per variant (add a fifth endpoint,
 /// then remove it again, alternately).
-fn change_times(topo: &Topology, ferry: &Ferry, ports: &[ServicePort], n: usize, changes: usize, workdir: &Path) -> Result<Value, String> {
+fn change_times(
+    topo: &Topology,
+    ferry: &Ferry,
+    ports: &[ServicePort],
+    n: usize,
+    changes: usize,
+    workdir: &Path,
+) -> Result<Value, String> {
     let Some(k) = changed_index(n) else {
         return Ok(Value::Null);
     };
     let map = ferry.services_map()?;
     let base = ports[k].clone();
     let mut bigger = base.clone();
-    bigger.endpoints.push((Ipv4Addr::new(10, 127, 255, 1), BACKEND_PORT));
+    bigger
+        .endpoints
+        .push((Ipv4Addr::new(10, 127, 255, 1), BACKEND_PORT));
     let (mut f, mut i, mut t) = (Vec::new(), Vec::new(), Vec::new());
     let file = workdir.join("change.in");
     let _g = hold(Res::Dir(file.clone()));
     for c in 0..changes * 2 {
-        let (old, new) = if c % 2 == 0 { (&base, &bigger) } else { (&bigger, &base) };
+        let (old, new) = if c % 2 == 0 {
+            (&base, &bigger)
+        } else {
+            (&bigger, &base)
+        };
         // ferry: rewrite the Service's manifest; the agent polls the directory every
         // 200 ms, so up to 200 ms of this is the poll.
         let t0 = Instant::now();
-        fs::write(ferry.manifests.join("changed.json"), layouts::list(layouts::manifests(&[new])))
-            .map_err(|e| e.to_string())?;
+        fs::write(
+            ferry.manifests.join("changed.json"),
+            layouts::list(layouts::manifests(&[new])),
+        )
+        .map_err(|e| e.to_string())?;
         let want = new.endpoints.len() as u16;
         loop {
-            if map.get(&slot0_key(new.vip), 0).is_ok_and(|v| v.count == want) {
+            if map
+                .get(&slot0_key(new.vip), 0)
+                .is_ok_and(|v| v.count == want)
+            {
                 break;
             }
             if t0.elapsed() > Duration::from_secs(30) {
@@ -523,14 +599,26 @@ fn profile(topo: &Topology, ferry: &Ferry, n: usize, args: &Args) -> Result<Valu
                     .ok()
                     .and_then(|s| serde_json::from_str(&s).ok())
                     .unwrap_or(Value::Null);
-                (v["run_time_ns"].as_u64().unwrap_or(0), v["run_cnt"].as_u64().unwrap_or(0))
+                (
+                    v["run_time_ns"].as_u64().unwrap_or(0),
+                    v["run_cnt"].as_u64().unwrap_or(0),
+                )
             })
             .collect()
     };
     let mut out = json!({});
     for (name, mode) in [("tcp", Mode::Tcp), ("udp", Mode::Udp)] {
         let before = read();
-        let o = measure(topo, ferry, "ferry", n, mode, args.workers, args.tcp, args.warmup)?;
+        let o = measure(
+            topo,
+            ferry,
+            "ferry",
+            n,
+            mode,
+            args.workers,
+            args.tcp,
+            args.warmup,
+        )?;
         let after = read();
         // Operations in the warm-up are counted too: runs per op use the whole load.
         let total_ops = o.rate * (args.tcp + args.warmup).as_secs_f64();
@@ -556,14 +644,26 @@ fn run_n(args: &Args, n: usize, workdir: &Path) -> Result<Value, String> {
     eprintln!("== datapath-clusterip: {n} Services x {ENDPOINTS} endpoints");
     let ports = services(n);
     let topo = Topology::new(&format!("n{n}"))?;
-    let log = args.out.join("clusterip-logs").join(format!("agent-{n}.log"));
+    let log = args
+        .out
+        .join("clusterip-logs")
+        .join(format!("agent-{n}.log"));
     let mut ferry = Ferry::new(topo.client("ferry"), &format!("cip{n}"), workdir, log)?;
     let programming = program(&topo, &mut ferry, &ports, n, workdir)?;
 
     // Every variant must answer before anything is timed.
     for v in VARIANTS {
         for mode in [Mode::Tcp, Mode::Udp] {
-            let o = measure(&topo, &ferry, v, n, mode, 1, Duration::from_millis(200), Duration::ZERO)?;
+            let o = measure(
+                &topo,
+                &ferry,
+                v,
+                n,
+                mode,
+                1,
+                Duration::from_millis(200),
+                Duration::ZERO,
+            )?;
             if o.ops == 0 || o.errors > 0 {
                 if let Ok(s) = std::env::var("FERRY_BENCH_HOLD_S") {
                     eprintln!("   holding the namespaces {s} s for a look (FERRY_BENCH_HOLD_S)");
@@ -587,12 +687,22 @@ fn run_n(args: &Args, n: usize, workdir: &Path) -> Result<Value, String> {
         ("tcp_latency", Mode::Tcp, 1, args.latency),
         ("udp", Mode::Udp, args.workers, args.udp),
     ];
-    let mut samples: Vec<Vec<Vec<load::Outcome>>> = vec![vec![Vec::new(); VARIANTS.len()]; tests.len()];
+    let mut samples: Vec<Vec<Vec<load::Outcome>>> =
+        vec![vec![Vec::new(); VARIANTS.len()]; tests.len()];
     for r in 0..args.rounds {
         for (t, (name, mode, workers, dur)) in tests.iter().enumerate() {
             for k in 0..VARIANTS.len() {
                 let vi = (k + r) % VARIANTS.len();
-                let o = measure(&topo, &ferry, VARIANTS[vi], n, *mode, *workers, *dur, args.warmup)?;
+                let o = measure(
+                    &topo,
+                    &ferry,
+                    VARIANTS[vi],
+                    n,
+                    *mode,
+                    *workers,
+                    *dur,
+                    args.warmup,
+                )?;
                 eprintln!(
                     "   round {} {name:<11} {:<8} {:>9.0}/s  p50 {:>6.1} us  p99 {:>6.1} us{}",
                     r + 1,
@@ -600,7 +710,11 @@ fn run_n(args: &Args, n: usize, workdir: &Path) -> Result<Value, String> {
                     o.rate,
                     o.p50_us,
                     o.p99_us,
-                    if o.errors > 0 { format!("  ({} errors)", o.errors) } else { String::new() }
+                    if o.errors > 0 {
+                        format!("  ({} errors)", o.errors)
+                    } else {
+                        String::new()
+                    }
                 );
                 samples[t][vi].push(o);
             }
@@ -663,15 +777,29 @@ pub(crate) fn targets(results: &[Value]) -> Vec<(String, bool, String)> {
     for r in results {
         let n = r["services"].as_u64().unwrap_or(0);
         let ratio = |k: &str| r["tcp"][k]["median"].as_f64().unwrap_or(f64::NAN);
-        let floor = r["tcp"]["ferry"]["vs_direct"]["median"].as_f64().unwrap_or(f64::NAN);
-        t.push((format!("N={n}: ferry >= 0.98x floor (TCP conn/s)"), floor >= 0.98, format!("{floor:.3}x")));
+        let floor = r["tcp"]["ferry"]["vs_direct"]["median"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        t.push((
+            format!("N={n}: ferry >= 0.98x floor (TCP conn/s)"),
+            floor >= 0.98,
+            format!("{floor:.3}x"),
+        ));
         if n >= 1000 {
             let v = ratio("ferry_vs_nftables");
-            t.push((format!("N={n}: ferry >= 1.2x nftables"), v >= 1.2, format!("{v:.2}x")));
+            t.push((
+                format!("N={n}: ferry >= 1.2x nftables"),
+                v >= 1.2,
+                format!("{v:.2}x"),
+            ));
         }
         if n == 30_000 {
             let v = ratio("ferry_vs_iptables");
-            t.push((format!("N={n}: ferry >= 5x iptables"), v >= 5.0, format!("{v:.2}x")));
+            t.push((
+                format!("N={n}: ferry >= 5x iptables"),
+                v >= 5.0,
+                format!("{v:.2}x"),
+            ));
         }
     }
     t
@@ -682,7 +810,12 @@ fn med(v: &Value) -> f64 {
 }
 
 fn range(v: &Value) -> String {
-    format!("{:.2} [{:.2}-{:.2}]", med(v), v["min"].as_f64().unwrap_or(f64::NAN), v["max"].as_f64().unwrap_or(f64::NAN))
+    format!(
+        "{:.2} [{:.2}-{:.2}]",
+        med(v),
+        v["min"].as_f64().unwrap_or(f64::NAN),
+        v["max"].as_f64().unwrap_or(f64::NAN)
+    )
 }
 
 /// The Markdown tables (printed, and put into docs/benchmarks.md).
@@ -706,7 +839,13 @@ pub(crate) fn markdown(results: &[Value]) -> String {
     s.push_str("\nRequest latency (connect to reply), µs, p50 / p99: under load (16 in flight) and alone (1 in flight):\n\n");
     s.push_str("| Services | direct | ferry | iptables | nftables | direct alone | ferry alone | iptables alone | nftables alone |\n|---|---|---|---|---|---|---|---|---|\n");
     for r in results {
-        let c = |t: &str, v: &str| format!("{:.0} / {:.0}", med(&r[t][v]["p50_us"]), med(&r[t][v]["p99_us"]));
+        let c = |t: &str, v: &str| {
+            format!(
+                "{:.0} / {:.0}",
+                med(&r[t][v]["p50_us"]),
+                med(&r[t][v]["p99_us"])
+            )
+        };
         s.push_str(&format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r["services"],
@@ -720,8 +859,12 @@ pub(crate) fn markdown(results: &[Value]) -> String {
             c("tcp_latency", "nftables"),
         ));
     }
-    s.push_str("\nUDP request/reply (16 unconnected sockets), requests/s and ratio to the floor:\n\n");
-    s.push_str("| Services | direct req/s | ferry | iptables | nftables |\n|---|---|---|---|---|\n");
+    s.push_str(
+        "\nUDP request/reply (16 unconnected sockets), requests/s and ratio to the floor:\n\n",
+    );
+    s.push_str(
+        "| Services | direct req/s | ferry | iptables | nftables |\n|---|---|---|---|---|\n",
+    );
     for r in results {
         let t = &r["udp"];
         s.push_str(&format!(
@@ -738,7 +881,18 @@ pub(crate) fn markdown(results: &[Value]) -> String {
     for r in results {
         let p = &r["programming"];
         let c = &r["change"];
-        let ch = |k: &str| if c.is_null() { "-".to_string() } else { format!("{:.1} [{:.1}-{:.1}]", med(&c[k]), c[k]["min"].as_f64().unwrap_or(f64::NAN), c[k]["max"].as_f64().unwrap_or(f64::NAN)) };
+        let ch = |k: &str| {
+            if c.is_null() {
+                "-".to_string()
+            } else {
+                format!(
+                    "{:.1} [{:.1}-{:.1}]",
+                    med(&c[k]),
+                    c[k]["min"].as_f64().unwrap_or(f64::NAN),
+                    c[k]["max"].as_f64().unwrap_or(f64::NAN)
+                )
+            }
+        };
         s.push_str(&format!(
             "| {} | {:.0} | {:.0} | {:.0} | {} | {} | {} |\n",
             r["services"],
@@ -752,7 +906,9 @@ pub(crate) fn markdown(results: &[Value]) -> String {
     }
     if results.iter().any(|r| !r["bpf_profile"].is_null()) {
         s.push_str("\nferry's programs under the load (`kernel.bpf_stats_enabled=1`): ns per run, runs per request:\n\n");
-        s.push_str("| Services | load | program | ns/run | runs/request |\n|---|---|---|---|---|\n");
+        s.push_str(
+            "| Services | load | program | ns/run | runs/request |\n|---|---|---|---|---|\n",
+        );
         for r in results {
             for load in ["tcp", "udp"] {
                 if let Some(p) = r["bpf_profile"][load]["programs"].as_object() {
@@ -770,14 +926,20 @@ pub(crate) fn markdown(results: &[Value]) -> String {
     }
     s.push_str("\nTargets:\n\n| target | result | |\n|---|---|---|\n");
     for (what, ok, val) in targets(results) {
-        s.push_str(&format!("| {what} | {val} | {} |\n", if ok { "met" } else { "**missed**" }));
+        s.push_str(&format!(
+            "| {what} | {val} | {} |\n",
+            if ok { "met" } else { "**missed**" }
+        ));
     }
     s
 }
 
 /// The plots of each figure against the number of Services.
 fn plots(results: &[Value], dir: &Path) -> Vec<PathBuf> {
-    let xs: Vec<f64> = results.iter().map(|r| r["services"].as_f64().unwrap_or(0.0)).collect();
+    let xs: Vec<f64> = results
+        .iter()
+        .map(|r| r["services"].as_f64().unwrap_or(0.0))
+        .collect();
     let series = |f: &dyn Fn(&Value, &str) -> f64| -> Vec<(String, Vec<f64>)> {
         VARIANTS
             .iter()
@@ -786,17 +948,49 @@ fn plots(results: &[Value], dir: &Path) -> Vec<PathBuf> {
     };
     let mut out = Vec::new();
     let figs: [(&str, &str, &str, Box<dyn Fn(&Value, &str) -> f64>, bool); 4] = [
-        ("bench-clusterip-tcp.png", "TCP short connections through one ClusterIP", "connections/s", Box::new(|r, v| med(&r["tcp"][v]["rate"])), false),
-        ("bench-clusterip-latency.png", "Request latency p99, one connection at a time", "p99 latency (us)", Box::new(|r, v| med(&r["tcp_latency"][v]["p99_us"])), true),
-        ("bench-clusterip-udp.png", "UDP request/reply through one ClusterIP", "requests/s", Box::new(|r, v| med(&r["udp"][v]["rate"])), false),
-        ("bench-clusterip-programming.png", "Time to program N Services", "ms", Box::new(|r, v| {
-            let key = match v { "ferry" => "ferry_ms", "iptables" => "iptables_ms", "nftables" => "nftables_ms", _ => "" };
-            r["programming"][key].as_f64().unwrap_or(f64::NAN)
-        }), true),
+        (
+            "bench-clusterip-tcp.png",
+            "TCP short connections through one ClusterIP",
+            "connections/s",
+            Box::new(|r, v| med(&r["tcp"][v]["rate"])),
+            false,
+        ),
+        (
+            "bench-clusterip-latency.png",
+            "Request latency p99, one connection at a time",
+            "p99 latency (us)",
+            Box::new(|r, v| med(&r["tcp_latency"][v]["p99_us"])),
+            true,
+        ),
+        (
+            "bench-clusterip-udp.png",
+            "UDP request/reply through one ClusterIP",
+            "requests/s",
+            Box::new(|r, v| med(&r["udp"][v]["rate"])),
+            false,
+        ),
+        (
+            "bench-clusterip-programming.png",
+            "Time to program N Services",
+            "ms",
+            Box::new(|r, v| {
+                let key = match v {
+                    "ferry" => "ferry_ms",
+                    "iptables" => "iptables_ms",
+                    "nftables" => "nftables_ms",
+                    _ => "",
+                };
+                r["programming"][key].as_f64().unwrap_or(f64::NAN)
+            }),
+            true,
+        ),
     ];
     for (file, title, y, f, log_y) in figs {
         let path = dir.join(file);
-        let s: Vec<(String, Vec<f64>)> = series(&*f).into_iter().filter(|(_, v)| v.iter().any(|x| x.is_finite())).collect();
+        let s: Vec<(String, Vec<f64>)> = series(&*f)
+            .into_iter()
+            .filter(|(_, v)| v.iter().any(|x| x.is_finite()))
+            .collect();
         match crate::plot::lines(&path, title, "Services (log scale)", y, &xs, &s, log_y) {
             Ok(()) => out.push(path),
             Err(e) => eprintln!("ferry-bench: plot {}: {e}", path.display()),
@@ -811,7 +1005,10 @@ pub(crate) fn run(args: &Args, docs_dir: &Path) -> Result<(Value, String), Strin
     crate::util::require_tool("nft", "nftables")?;
     crate::util::require_tool("bpftool", "bpftool")?;
     if !bin("ferry").exists() {
-        return Err(format!("{} missing: run `cargo xtask build` first", bin("ferry").display()));
+        return Err(format!(
+            "{} missing: run `cargo xtask build` first",
+            bin("ferry").display()
+        ));
     }
     let workdir = std::env::temp_dir().join(format!("ferry-bench-cip-{}", std::process::id()));
     let _w = hold(Res::Dir(workdir.clone()));
@@ -838,7 +1035,11 @@ pub(crate) fn run(args: &Args, docs_dir: &Path) -> Result<(Value, String), Strin
         "results": results,
     });
     let path = args.out.join("datapath-clusterip.json");
-    fs::write(&path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(|e| format!("{}: {e}", path.display()))?;
+    fs::write(
+        &path,
+        serde_json::to_string_pretty(&doc).unwrap_or_default(),
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))?;
     let plots = plots(&results, docs_dir);
     let mut md = crate::report::header(&doc);
     md.push_str(&markdown(&results));

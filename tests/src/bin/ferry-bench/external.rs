@@ -55,8 +55,12 @@ impl Args {
         while let Some(f) = it.next() {
             let mut value = || it.next().ok_or_else(|| format!("{f} needs a value"));
             match f.as_str() {
-                "--rounds" => self.rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?,
-                "--seconds" => self.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
+                "--rounds" => {
+                    self.rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?
+                }
+                "--seconds" => {
+                    self.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?
+                }
                 other => return Err(format!("unknown flag {other}")),
             }
         }
@@ -102,7 +106,10 @@ fn build(workdir: &Path, log: &Path) -> Result<World, String> {
     let backend_ns = format!("fb{pid}xb");
     sh(&format!("ip netns add {backend_ns}"))?;
     guards.push(hold(Res::Netns(backend_ns.clone())));
-    sh_in(&backend_ns, &format!("ip link set lo up && ip addr add {BACKEND}/32 dev lo"))?;
+    sh_in(
+        &backend_ns,
+        &format!("ip link set lo up && ip addr add {BACKEND}/32 dev lo"),
+    )?;
     let (mut clients, mut nodes) = (Vec::new(), Vec::new());
     for (k, v) in VARIANTS.iter().enumerate() {
         let (c, n) = (format!("fb{pid}x{v}c"), format!("fb{pid}x{v}n"));
@@ -130,10 +137,18 @@ fn build(workdir: &Path, log: &Path) -> Result<World, String> {
     let mut cmd = Command::new("iperf3");
     // Bound to the backend address, so that UDP replies leave from it (the backend ns
     // has other addresses, on the links to the nodes).
-    cmd.args(["-s", "-p", &PORT.to_string(), "-A", "1", "-B", &BACKEND.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+    cmd.args([
+        "-s",
+        "-p",
+        &PORT.to_string(),
+        "-A",
+        "1",
+        "-B",
+        &BACKEND.to_string(),
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
     let iperf = Proc::new(spawn_in(&backend_ns, None, &mut cmd));
 
     // kube-proxy's iptables layout in its node.
@@ -173,7 +188,12 @@ fn build(workdir: &Path, log: &Path) -> Result<World, String> {
         .arg(&bpffs)
         .args(["--node-name", "bench-node", "--devices", "ext,int"])
         .args(["--node-ip", &node_ip(1).to_string()])
-        .args(["--health-addr", "127.0.0.1:10256", "--metrics-addr", "127.0.0.1:10249"])
+        .args([
+            "--health-addr",
+            "127.0.0.1:10256",
+            "--metrics-addr",
+            "127.0.0.1:10249",
+        ])
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(logf.try_clone().map_err(|e| e.to_string())?)
@@ -203,7 +223,11 @@ fn build(workdir: &Path, log: &Path) -> Result<World, String> {
 }
 
 fn target(k: usize) -> (Ipv4Addr, u16) {
-    if k == 0 { (BACKEND, PORT) } else { (node_ip(k), NODE_PORT) }
+    if k == 0 {
+        (BACKEND, PORT)
+    } else {
+        (node_ip(k), NODE_PORT)
+    }
 }
 
 /// A second of TCP and of UDP must get through before anything is timed (iperf3
@@ -228,7 +252,11 @@ fn check(w: &World, k: usize, log: &Path) -> Result<(), String> {
 /// One iperf3 run: (Gbit/s for TCP | received datagrams/s for UDP).
 fn iperf(w: &World, k: usize, udp: bool, secs: u64) -> Result<f64, String> {
     let (ip, port) = target(k);
-    let mode = if udp { format!("-u -l {UDP_PAYLOAD} -b 0") } else { String::new() };
+    let mode = if udp {
+        format!("-u -l {UDP_PAYLOAD} -b 0")
+    } else {
+        String::new()
+    };
     let out = sh(&format!(
         "ip netns exec {} iperf3 -c {ip} -p {port} {mode} -t {secs} -O 1 -A 0 -J --connect-timeout 3000",
         w.clients[k]
@@ -240,42 +268,86 @@ fn iperf(w: &World, k: usize, udp: bool, secs: u64) -> Result<f64, String> {
     let end = &v["end"];
     if udp {
         // What the server received: the sender's count less the lost ones.
-        let s = if end["sum_received"].is_object() { &end["sum_received"] } else { &end["sum"] };
+        let s = if end["sum_received"].is_object() {
+            &end["sum_received"]
+        } else {
+            &end["sum"]
+        };
         let packets = s["packets"].as_f64().unwrap_or(0.0);
         let lost = s["lost_packets"].as_f64().unwrap_or(0.0);
         let secs = s["seconds"].as_f64().unwrap_or(secs as f64).max(0.001);
         Ok((packets - lost).max(0.0) / secs)
     } else {
-        Ok(end["sum_received"]["bits_per_second"].as_f64().unwrap_or(0.0) / 1e9)
+        Ok(end["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap_or(0.0)
+            / 1e9)
     }
 }
 
 pub(crate) fn targets(r: &Value) -> Vec<(String, bool, String)> {
     let mut t = Vec::new();
-    for (test, unit) in [("tcp_gbps", "TCP throughput"), ("udp_pps", "UDP packet rate")] {
-        let vs_routing = r[test]["ferry"]["vs_routing"]["median"].as_f64().unwrap_or(f64::NAN);
-        let vs_ipt = r[test]["ferry_vs_iptables"]["median"].as_f64().unwrap_or(f64::NAN);
-        t.push((format!("NodePort {unit}: ferry >= 0.9x routing only"), vs_routing >= 0.9, format!("{vs_routing:.3}x")));
-        t.push((format!("NodePort {unit}: ferry ahead of iptables"), vs_ipt > 1.0, format!("{vs_ipt:.3}x")));
+    for (test, unit) in [
+        ("tcp_gbps", "TCP throughput"),
+        ("udp_pps", "UDP packet rate"),
+    ] {
+        let vs_routing = r[test]["ferry"]["vs_routing"]["median"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        let vs_ipt = r[test]["ferry_vs_iptables"]["median"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        t.push((
+            format!("NodePort {unit}: ferry >= 0.9x routing only"),
+            vs_routing >= 0.9,
+            format!("{vs_routing:.3}x"),
+        ));
+        t.push((
+            format!("NodePort {unit}: ferry ahead of iptables"),
+            vs_ipt > 1.0,
+            format!("{vs_ipt:.3}x"),
+        ));
     }
     t
 }
 
 pub(crate) fn markdown(r: &Value) -> String {
     let med = |v: &Value| v["median"].as_f64().unwrap_or(f64::NAN);
-    let rng = |v: &Value| format!("{:.3} [{:.3}-{:.3}]", med(v), v["min"].as_f64().unwrap_or(f64::NAN), v["max"].as_f64().unwrap_or(f64::NAN));
-    let mut s = String::from("| test | routing only | ferry (tc) | iptables | ferry / routing | iptables / routing | ferry / iptables |\n|---|---|---|---|---|---|---|\n");
-    for (test, label, fmt) in [("tcp_gbps", "TCP, 1 stream, Gbit/s", 2usize), ("udp_pps", "UDP 64-byte datagrams received/s", 0)] {
+    let rng = |v: &Value| {
+        format!(
+            "{:.3} [{:.3}-{:.3}]",
+            med(v),
+            v["min"].as_f64().unwrap_or(f64::NAN),
+            v["max"].as_f64().unwrap_or(f64::NAN)
+        )
+    };
+    let mut s = String::from(
+        "| test | routing only | ferry (tc) | iptables | ferry / routing | iptables / routing | ferry / iptables |\n|---|---|---|---|---|---|---|\n",
+    );
+    for (test, label, fmt) in [
+        ("tcp_gbps", "TCP, 1 stream, Gbit/s", 2usize),
+        ("udp_pps", "UDP 64-byte datagrams received/s", 0),
+    ] {
         let x = &r[test];
         s.push_str(&format!(
             "| {label} | {:.*} | {:.*} | {:.*} | {} | {} | {} |\n",
-            fmt, med(&x["routing"]["value"]), fmt, med(&x["ferry"]["value"]), fmt, med(&x["iptables"]["value"]),
-            rng(&x["ferry"]["vs_routing"]), rng(&x["iptables"]["vs_routing"]), rng(&x["ferry_vs_iptables"]),
+            fmt,
+            med(&x["routing"]["value"]),
+            fmt,
+            med(&x["ferry"]["value"]),
+            fmt,
+            med(&x["iptables"]["value"]),
+            rng(&x["ferry"]["vs_routing"]),
+            rng(&x["iptables"]["vs_routing"]),
+            rng(&x["ferry_vs_iptables"]),
         ));
     }
     s.push_str("\nTargets:\n\n| target | result | |\n|---|---|---|\n");
     for (what, ok, val) in targets(r) {
-        s.push_str(&format!("| {what} | {val} | {} |\n", if ok { "met" } else { "**missed**" }));
+        s.push_str(&format!(
+            "| {what} | {val} | {} |\n",
+            if ok { "met" } else { "**missed**" }
+        ));
     }
     s
 }
@@ -284,7 +356,10 @@ pub(crate) fn run(args: &Args) -> Result<(Value, String), String> {
     crate::util::require_tool("iperf3", "iperf3")?;
     crate::util::require_tool("iptables-legacy-restore", "iptables")?;
     if !bin("ferry").exists() {
-        return Err(format!("{} missing: run `cargo xtask build` first", bin("ferry").display()));
+        return Err(format!(
+            "{} missing: run `cargo xtask build` first",
+            bin("ferry").display()
+        ));
     }
     eprintln!("== datapath-external: NodePort {NODE_PORT} -> {BACKEND}:{PORT}");
     let workdir = std::env::temp_dir().join(format!("ferry-bench-ext-{}", std::process::id()));
@@ -308,10 +383,15 @@ pub(crate) fn run(args: &Args) -> Result<(Value, String), String> {
                 vals[k].push(v);
             }
         }
-        let per_round = |a: usize, b: usize| -> Vec<f64> { vals[a].iter().zip(&vals[b]).map(|(x, y)| x / y).collect() };
+        let per_round = |a: usize, b: usize| -> Vec<f64> {
+            vals[a].iter().zip(&vals[b]).map(|(x, y)| x / y).collect()
+        };
         let mut per = serde_json::Map::new();
         for (k, v) in VARIANTS.iter().enumerate() {
-            per.insert(v.to_string(), json!({"value": spread(&vals[k]), "vs_routing": spread(&per_round(k, 0))}));
+            per.insert(
+                v.to_string(),
+                json!({"value": spread(&vals[k]), "vs_routing": spread(&per_round(k, 0))}),
+            );
         }
         per.insert("ferry_vs_iptables".into(), spread(&per_round(1, 2)));
         eprintln!(
@@ -334,7 +414,11 @@ pub(crate) fn run(args: &Args) -> Result<(Value, String), String> {
         "results": result,
     });
     let path = args.out.join("datapath-external.json");
-    fs::write(&path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(|e| format!("{}: {e}", path.display()))?;
+    fs::write(
+        &path,
+        serde_json::to_string_pretty(&doc).unwrap_or_default(),
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))?;
     let mut md = crate::report::header(&doc);
     md.push_str(&markdown(&doc["results"]));
     Ok((doc, md))

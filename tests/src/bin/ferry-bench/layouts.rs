@@ -43,15 +43,24 @@ impl ServicePort {
         format!("default/{}:{}", self.svc, self.port_name)
     }
     fn svc_chain(&self) -> String {
-        format!("KUBE-SVC-{}", hash32(&format!("{}{}", self.spn(), self.proto), 16))
+        format!(
+            "KUBE-SVC-{}",
+            hash32(&format!("{}{}", self.spn(), self.proto), 16)
+        )
     }
     fn ext_chain(&self) -> String {
-        format!("KUBE-EXT-{}", hash32(&format!("{}{}", self.spn(), self.proto), 16))
+        format!(
+            "KUBE-EXT-{}",
+            hash32(&format!("{}{}", self.spn(), self.proto), 16)
+        )
     }
     fn sep_chain(&self, ep: (Ipv4Addr, u16)) -> String {
         format!(
             "KUBE-SEP-{}",
-            hash32(&format!("{}{}{}:{}", self.spn(), self.proto, ep.0, ep.1), 16)
+            hash32(
+                &format!("{}{}{}:{}", self.spn(), self.proto, ep.0, ep.1),
+                16
+            )
         )
     }
     /// nftables: `service-<H8>-ns/name/proto/port`.
@@ -149,10 +158,18 @@ fn iptables_filter(out: &mut String, with_jumps: bool) {
 /// KUBE-NODEPORTS for every Service port.
 fn iptables_nat_head(out: &mut String, ports: &[ServicePort]) {
     out.push_str("*nat\n");
-    for c in ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"] {
+    for c in [
+        "KUBE-SERVICES",
+        "KUBE-NODEPORTS",
+        "KUBE-POSTROUTING",
+        "KUBE-MARK-MASQ",
+    ] {
         let _ = writeln!(out, ":{c} - [0:0]");
     }
-    let _ = writeln!(out, "-A KUBE-POSTROUTING -m mark ! --mark {MASQ}/{MASQ} -j RETURN");
+    let _ = writeln!(
+        out,
+        "-A KUBE-POSTROUTING -m mark ! --mark {MASQ}/{MASQ} -j RETURN"
+    );
     let _ = writeln!(out, "-A KUBE-POSTROUTING -j MARK --xor-mark {MASQ}");
     out.push_str("-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n");
     let _ = writeln!(out, "-A KUBE-MARK-MASQ -j MARK --or-mark {MASQ}");
@@ -262,7 +279,11 @@ pub(crate) fn iptables_full(ports: &[ServicePort]) -> String {
 /// kube-proxy's partial sync after one Service port's endpoints changed: the filter
 /// table, KUBE-SERVICES / KUBE-NODEPORTS for every Service port, the changed Service's
 /// chains, and `-X` for its endpoint chains that are gone.
-pub(crate) fn iptables_partial(ports: &[ServicePort], old: &ServicePort, new: &ServicePort) -> String {
+pub(crate) fn iptables_partial(
+    ports: &[ServicePort],
+    old: &ServicePort,
+    new: &ServicePort,
+) -> String {
     let comments = total_endpoints(ports) <= LARGE_CLUSTER_ENDPOINTS;
     let mut out = String::new();
     iptables_filter(&mut out, false);
@@ -293,7 +314,10 @@ const T: &str = "ip kube-proxy";
 
 /// The base objects of a full sync.
 fn nft_base(out: &mut String, node_ips: &[Ipv4Addr]) {
-    let _ = writeln!(out, "add table {T} {{ comment \"rules for kube-proxy\" ; }}");
+    let _ = writeln!(
+        out,
+        "add table {T} {{ comment \"rules for kube-proxy\" ; }}"
+    );
     for c in [
         "mark-for-masquerade",
         "masquerading",
@@ -306,43 +330,130 @@ fn nft_base(out: &mut String, node_ips: &[Ipv4Addr]) {
     ] {
         let _ = writeln!(out, "add chain {T} {c}");
     }
-    let _ = writeln!(out, "add rule {T} mark-for-masquerade mark set mark or {MASQ}");
+    let _ = writeln!(
+        out,
+        "add rule {T} mark-for-masquerade mark set mark or {MASQ}"
+    );
     let _ = writeln!(out, "add rule {T} masquerading mark and {MASQ} == 0 return");
     let _ = writeln!(out, "add rule {T} masquerading mark set mark xor {MASQ}");
     let _ = writeln!(out, "add rule {T} masquerading masquerade fully-random");
     let _ = writeln!(out, "add rule {T} reject-chain reject");
-    let _ = writeln!(out, "add set {T} cluster-ips {{ type ipv4_addr ; comment \"Active ClusterIPs\" ; }}");
-    let _ = writeln!(out, "add set {T} nodeport-ips {{ type ipv4_addr ; comment \"IPs that accept NodePort traffic\" ; }}");
+    let _ = writeln!(
+        out,
+        "add set {T} cluster-ips {{ type ipv4_addr ; comment \"Active ClusterIPs\" ; }}"
+    );
+    let _ = writeln!(
+        out,
+        "add set {T} nodeport-ips {{ type ipv4_addr ; comment \"IPs that accept NodePort traffic\" ; }}"
+    );
     let key3 = "type ipv4_addr . inet_proto . inet_service : verdict";
     for m in ["service-ips", "firewall-ips", "no-endpoint-services"] {
         let _ = writeln!(out, "add map {T} {m} {{ {key3} ; }}");
     }
     for m in ["service-nodeports", "no-endpoint-nodeports"] {
-        let _ = writeln!(out, "add map {T} {m} {{ type inet_proto . inet_service : verdict ; }}");
+        let _ = writeln!(
+            out,
+            "add map {T} {m} {{ type inet_proto . inet_service : verdict ; }}"
+        );
     }
     let base: [(&str, &str, &str, i32, &[&str]); 8] = [
-        ("nat-prerouting", "nat", "prerouting", -100, &["jump services"]),
+        (
+            "nat-prerouting",
+            "nat",
+            "prerouting",
+            -100,
+            &["jump services"],
+        ),
         ("nat-output", "nat", "output", -100, &["jump services"]),
-        ("nat-postrouting", "nat", "postrouting", 100, &["jump masquerading"]),
-        ("filter-prerouting-pre-dnat", "filter", "prerouting", -110, &["ct state new jump firewall-check"]),
-        ("filter-output-pre-dnat", "filter", "output", -110, &["ct state new jump firewall-check"]),
-        ("filter-forward", "filter", "forward", 0, &["ct state new jump service-endpoints-check", "ct state new jump cluster-ips-check"]),
-        ("filter-input", "filter", "input", 0, &["ct state new jump nodeport-endpoints-check", "ct state new jump service-endpoints-check"]),
-        ("filter-output", "filter", "output", 0, &["ct state new jump service-endpoints-check", "ct state new jump cluster-ips-check"]),
+        (
+            "nat-postrouting",
+            "nat",
+            "postrouting",
+            100,
+            &["jump masquerading"],
+        ),
+        (
+            "filter-prerouting-pre-dnat",
+            "filter",
+            "prerouting",
+            -110,
+            &["ct state new jump firewall-check"],
+        ),
+        (
+            "filter-output-pre-dnat",
+            "filter",
+            "output",
+            -110,
+            &["ct state new jump firewall-check"],
+        ),
+        (
+            "filter-forward",
+            "filter",
+            "forward",
+            0,
+            &[
+                "ct state new jump service-endpoints-check",
+                "ct state new jump cluster-ips-check",
+            ],
+        ),
+        (
+            "filter-input",
+            "filter",
+            "input",
+            0,
+            &[
+                "ct state new jump nodeport-endpoints-check",
+                "ct state new jump service-endpoints-check",
+            ],
+        ),
+        (
+            "filter-output",
+            "filter",
+            "output",
+            0,
+            &[
+                "ct state new jump service-endpoints-check",
+                "ct state new jump cluster-ips-check",
+            ],
+        ),
     ];
     for (name, ty, hook, prio, rules) in base {
-        let _ = writeln!(out, "add chain {T} {name} {{ type {ty} hook {hook} priority {prio} ; }}");
+        let _ = writeln!(
+            out,
+            "add chain {T} {name} {{ type {ty} hook {hook} priority {prio} ; }}"
+        );
         for r in rules {
             let _ = writeln!(out, "add rule {T} {name} {r}");
         }
     }
-    let _ = writeln!(out, "add rule {T} services ip daddr . meta l4proto . th dport vmap @service-ips");
-    let _ = writeln!(out, "add rule {T} services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports");
-    let _ = writeln!(out, "add rule {T} service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services");
-    let _ = writeln!(out, "add rule {T} nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports");
-    let _ = writeln!(out, "add rule {T} firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips");
-    let _ = writeln!(out, "add rule {T} cluster-ips-check ip daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\"");
-    let _ = writeln!(out, "add rule {T} cluster-ips-check ip daddr {{ {SERVICE_CIDR} }} drop comment \"Drop traffic to unallocated ClusterIPs\"");
+    let _ = writeln!(
+        out,
+        "add rule {T} services ip daddr . meta l4proto . th dport vmap @service-ips"
+    );
+    let _ = writeln!(
+        out,
+        "add rule {T} services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"
+    );
+    let _ = writeln!(
+        out,
+        "add rule {T} service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services"
+    );
+    let _ = writeln!(
+        out,
+        "add rule {T} nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports"
+    );
+    let _ = writeln!(
+        out,
+        "add rule {T} firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips"
+    );
+    let _ = writeln!(
+        out,
+        "add rule {T} cluster-ips-check ip daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\""
+    );
+    let _ = writeln!(
+        out,
+        "add rule {T} cluster-ips-check ip daddr {{ {SERVICE_CIDR} }} drop comment \"Drop traffic to unallocated ClusterIPs\""
+    );
     if !node_ips.is_empty() {
         let ips: Vec<String> = node_ips.iter().map(Ipv4Addr::to_string).collect();
         let _ = writeln!(out, "add element {T} nodeport-ips {{ {} }}", ips.join(", "));
@@ -373,8 +484,16 @@ fn nft_service_chains(out: &mut String, p: &ServicePort, flush: bool) {
         if flush {
             let _ = writeln!(out, "flush chain {T} {c}");
         }
-        let _ = writeln!(out, "add rule {T} {c} ip saddr {} jump mark-for-masquerade", ep.0);
-        let _ = writeln!(out, "add rule {T} {c} meta l4proto {} dnat to {}:{}", p.proto, ep.0, ep.1);
+        let _ = writeln!(
+            out,
+            "add rule {T} {c} ip saddr {} jump mark-for-masquerade",
+            ep.0
+        );
+        let _ = writeln!(
+            out,
+            "add rule {T} {c} meta l4proto {} dnat to {}:{}",
+            p.proto, ep.0, ep.1
+        );
     }
     let _ = writeln!(
         out,
@@ -403,9 +522,21 @@ pub(crate) fn nft_full(ports: &[ServicePort], node_ips: &[Ipv4Addr]) -> String {
         let _ = writeln!(out, "add element {T} cluster-ips {{ {} }}", ips.join(", "));
         let elems: Vec<String> = chunk
             .iter()
-            .map(|p| format!("{} . {} . {} : goto {}", p.vip, p.proto, p.port, p.nft_service()))
+            .map(|p| {
+                format!(
+                    "{} . {} . {} : goto {}",
+                    p.vip,
+                    p.proto,
+                    p.port,
+                    p.nft_service()
+                )
+            })
             .collect();
-        let _ = writeln!(out, "add element {T} service-ips {{ {} }}", elems.join(", "));
+        let _ = writeln!(
+            out,
+            "add element {T} service-ips {{ {} }}",
+            elems.join(", ")
+        );
         let nps: Vec<String> = chunk
             .iter()
             .filter_map(|p| {
@@ -414,7 +545,11 @@ pub(crate) fn nft_full(ports: &[ServicePort], node_ips: &[Ipv4Addr]) -> String {
             })
             .collect();
         if !nps.is_empty() {
-            let _ = writeln!(out, "add element {T} service-nodeports {{ {} }}", nps.join(", "));
+            let _ = writeln!(
+                out,
+                "add element {T} service-nodeports {{ {} }}",
+                nps.join(", ")
+            );
         }
     }
     out
@@ -441,7 +576,11 @@ pub(crate) fn nft_partial(old: &ServicePort, new: &ServicePort) -> String {
 /// share the Service name), for a `kind: List` manifest.
 pub(crate) fn manifests(ports: &[&ServicePort]) -> Vec<Value> {
     let p0 = ports[0];
-    let svc_type = if p0.node_port.is_some() { "NodePort" } else { "ClusterIP" };
+    let svc_type = if p0.node_port.is_some() {
+        "NodePort"
+    } else {
+        "ClusterIP"
+    };
     let spec_ports: Vec<Value> = ports
         .iter()
         .map(|p| {
@@ -521,7 +660,9 @@ mod tests {
             port: 80,
             proto: "tcp",
             node_port: None,
-            endpoints: (0..eps).map(|e| (Ipv4Addr::new(10, 200, i, e as u8 + 1), 8080)).collect(),
+            endpoints: (0..eps)
+                .map(|e| (Ipv4Addr::new(10, 200, i, e as u8 + 1), 8080))
+                .collect(),
         }
     }
 

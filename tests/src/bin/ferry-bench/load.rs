@@ -78,7 +78,10 @@ pub(crate) struct Outcome {
 
 impl Outcome {
     pub(crate) fn from_json(v: &Value) -> Result<Outcome, String> {
-        let f = |k: &str| v[k].as_f64().ok_or_else(|| format!("loadgen output lacks {k}: {v}"));
+        let f = |k: &str| {
+            v[k].as_f64()
+                .ok_or_else(|| format!("loadgen output lacks {k}: {v}"))
+        };
         Ok(Outcome {
             rate: f("rate")?,
             p50_us: f("p50_us").unwrap_or(f64::NAN),
@@ -233,7 +236,12 @@ async fn tcp_op(addr: SocketAddr, req: &[u8], buf: &mut [u8]) -> std::io::Result
     Ok(())
 }
 
-async fn udp_op(u: &UdpSocket, addr: SocketAddr, req: &[u8], buf: &mut [u8]) -> std::io::Result<()> {
+async fn udp_op(
+    u: &UdpSocket,
+    addr: SocketAddr,
+    req: &[u8],
+    buf: &mut [u8],
+) -> std::io::Result<()> {
     u.send_to(req, addr).await?;
     u.recv_from(buf).await?;
     Ok(())
@@ -250,13 +258,14 @@ pub(crate) fn serve_main(argv: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let (port, cpu, size): (u16, usize, usize) = match (get(&m, "port"), get(&m, "cpu"), get(&m, "size")) {
-        (Ok(p), Ok(c), Ok(s)) => (p, c, s),
-        _ => {
-            eprintln!("ferry-bench serve: --port, --cpu and --size are required");
-            return ExitCode::from(2);
-        }
-    };
+    let (port, cpu, size): (u16, usize, usize) =
+        match (get(&m, "port"), get(&m, "cpu"), get(&m, "size")) {
+            (Ok(p), Ok(c), Ok(s)) => (p, c, s),
+            _ => {
+                eprintln!("ferry-bench serve: --port, --cpu and --size are required");
+                return ExitCode::from(2);
+            }
+        };
     let udp_addrs: Vec<std::net::Ipv4Addr> = m
         .get("udp")
         .map(|v| v.split(',').filter_map(|a| a.parse().ok()).collect())
@@ -297,7 +306,11 @@ pub(crate) fn serve_main(argv: &[String]) -> ExitCode {
 }
 
 /// Runs one load in `netns` (and `cgroup`, for ferry's socket hooks); parses its line.
-pub(crate) fn run(netns: &str, cgroup: Option<&std::path::Path>, spec: &Spec) -> Result<Outcome, String> {
+pub(crate) fn run(
+    netns: &str,
+    cgroup: Option<&std::path::Path>,
+    spec: &Spec,
+) -> Result<Outcome, String> {
     let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
     cmd.args(spec.args())
         .stdin(Stdio::null())

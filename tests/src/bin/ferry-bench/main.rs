@@ -88,8 +88,13 @@ fn clusterip(c: &Common, extra: &[String]) -> Result<Vec<(String, bool, String)>
     if let Some(d) = &c.docs {
         report::update_docs(d, "datapath-clusterip", &md)?;
     }
-    println!("results: {}", c.out.join("datapath-clusterip.json").display());
-    Ok(clusterip::targets(doc["results"].as_array().map(Vec::as_slice).unwrap_or(&[])))
+    println!(
+        "results: {}",
+        c.out.join("datapath-clusterip.json").display()
+    );
+    Ok(clusterip::targets(
+        doc["results"].as_array().map(Vec::as_slice).unwrap_or(&[]),
+    ))
 }
 
 fn external(c: &Common, extra: &[String]) -> Result<Vec<(String, bool, String)>, String> {
@@ -100,7 +105,10 @@ fn external(c: &Common, extra: &[String]) -> Result<Vec<(String, bool, String)>,
     if let Some(d) = &c.docs {
         report::update_docs(d, "datapath-external", &md)?;
     }
-    println!("results: {}", c.out.join("datapath-external.json").display());
+    println!(
+        "results: {}",
+        c.out.join("datapath-external.json").display()
+    );
     Ok(external::targets(&doc["results"]))
 }
 
@@ -114,12 +122,29 @@ fn control_plane_targets(out: &Path) -> Vec<(String, bool, String)> {
     let mut rows = Vec::new();
     for r in v["results"].as_array().into_iter().flatten() {
         let s = r["scale"].as_str().unwrap_or("?");
-        let sync = r["full_sync"]["healthz_ms"]["median"].as_f64().unwrap_or(f64::NAN);
+        let sync = r["full_sync"]["healthz_ms"]["median"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
         let p50 = r["changes"]["all"]["p50_ms"].as_f64().unwrap_or(f64::NAN);
         let rss = r["peak_rss_kib"].as_f64().unwrap_or(f64::NAN);
-        rows.push((format!("control plane {s}: full sync < {} ms", t["full_sync_ms"]), sync < t["full_sync_ms"].as_f64().unwrap_or(0.0), format!("{sync:.0} ms")));
-        rows.push((format!("control plane {s}: change p50 < {} ms", t["change_p50_ms"]), p50 < t["change_p50_ms"].as_f64().unwrap_or(0.0), format!("{p50:.2} ms")));
-        rows.push((format!("control plane {s}: peak RSS < {} MiB", t["peak_rss_kib"].as_u64().unwrap_or(0) / 1024), rss < t["peak_rss_kib"].as_f64().unwrap_or(0.0), format!("{:.1} MiB", rss / 1024.0)));
+        rows.push((
+            format!("control plane {s}: full sync < {} ms", t["full_sync_ms"]),
+            sync < t["full_sync_ms"].as_f64().unwrap_or(0.0),
+            format!("{sync:.0} ms"),
+        ));
+        rows.push((
+            format!("control plane {s}: change p50 < {} ms", t["change_p50_ms"]),
+            p50 < t["change_p50_ms"].as_f64().unwrap_or(0.0),
+            format!("{p50:.2} ms"),
+        ));
+        rows.push((
+            format!(
+                "control plane {s}: peak RSS < {} MiB",
+                t["peak_rss_kib"].as_u64().unwrap_or(0) / 1024
+            ),
+            rss < t["peak_rss_kib"].as_f64().unwrap_or(0.0),
+            format!("{:.1} MiB", rss / 1024.0),
+        ));
     }
     rows
 }
@@ -153,14 +178,24 @@ fn all(c: &Common) -> ExitCode {
             failed.push("datapath-external");
         }
     }
-    println!("\n## All targets{}\n\n| target | result | |\n|---|---|---|", if c.quick { " (--quick)" } else { "" });
+    println!(
+        "\n## All targets{}\n\n| target | result | |\n|---|---|---|",
+        if c.quick { " (--quick)" } else { "" }
+    );
     for (what, ok, val) in &rows {
-        println!("| {what} | {val} | {} |", if *ok { "met" } else { "MISSED" });
+        println!(
+            "| {what} | {val} | {} |",
+            if *ok { "met" } else { "MISSED" }
+        );
     }
     for f in &failed {
         println!("| {f} | did not complete (see above) | FAILED |");
     }
-    if failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 fn main() -> ExitCode {
@@ -199,7 +234,10 @@ fn main() -> ExitCode {
         "datapath-clusterip" => clusterip(&c, &c.rest),
         "datapath-external" => external(&c, &c.rest),
         _ => {
-            eprintln!("ferry-bench: unknown benchmark or flags: {}\n{USAGE}", argv.join(" "));
+            eprintln!(
+                "ferry-bench: unknown benchmark or flags: {}\n{USAGE}",
+                argv.join(" ")
+            );
             return ExitCode::from(2);
         }
     };

@@ -39,12 +39,20 @@ pub(crate) fn lines(
     log_y: bool,
 ) -> Result<(), String> {
     font()?;
-    let finite = || series.iter().flat_map(|(_, v)| v.iter().copied()).filter(|v| v.is_finite() && *v > 0.0);
+    let finite = || {
+        series
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .filter(|v| v.is_finite() && *v > 0.0)
+    };
     let (ymin, ymax) = finite().fold((f64::INFINITY, 0.0f64), |(a, b), v| (a.min(v), b.max(v)));
     if xs.is_empty() || !ymax.is_finite() || ymax <= 0.0 {
         return Err("nothing to plot".into());
     }
-    let (xmin, xmax) = (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(0.0, f64::max));
+    let (xmin, xmax) = (
+        xs.iter().copied().fold(f64::INFINITY, f64::min),
+        xs.iter().copied().fold(0.0, f64::max),
+    );
     let xr = (xmin / 1.5)..(xmax * 1.5);
     let root = BitMapBackend::new(path, (900, 540)).into_drawing_area();
     let e = |e: &dyn std::fmt::Display| e.to_string();
@@ -77,7 +85,9 @@ pub(crate) fn lines(
                     .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
                     .map_err(|x| e(&x))?
                     .label(name.as_str())
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
                 chart
                     .draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled())))
                     .map_err(|x| e(&x))?;
@@ -92,9 +102,15 @@ pub(crate) fn lines(
         }};
     }
     if log_y {
-        draw!(b.build_cartesian_2d(xr.log_scale(), ((ymin / 1.5)..(ymax * 1.5)).log_scale()).map_err(|x| e(&x))?);
+        draw!(
+            b.build_cartesian_2d(xr.log_scale(), ((ymin / 1.5)..(ymax * 1.5)).log_scale())
+                .map_err(|x| e(&x))?
+        );
     } else {
-        draw!(b.build_cartesian_2d(xr.log_scale(), 0.0..(ymax * 1.15)).map_err(|x| e(&x))?);
+        draw!(
+            b.build_cartesian_2d(xr.log_scale(), 0.0..(ymax * 1.15))
+                .map_err(|x| e(&x))?
+        );
     }
     root.present().map_err(|x| e(&x))?;
     Ok(())

@@ -11,13 +11,20 @@ pub(crate) fn header(doc: &Value) -> String {
     format!(
         "Measured by `cargo xtask bench {}`{} on Linux {}, {} CPUs ({}), {} MiB RAM, at commit {}{}; the run took {:.0} s.\n\n",
         doc["benchmark"].as_str().unwrap_or("?"),
-        if doc["mode"] == "quick" { " --quick (short runs: indicative only)" } else { "" },
+        if doc["mode"] == "quick" {
+            " --quick (short runs: indicative only)"
+        } else {
+            ""
+        },
         m["kernel"].as_str().unwrap_or("?"),
         m["nproc"],
         m["cpu"].as_str().unwrap_or("?"),
         m["mem_total_kib"].as_u64().unwrap_or(0) / 1024,
         doc["revision"]["commit"].as_str().unwrap_or("?"),
-        if doc["revision"]["uncommitted"].as_array().is_some_and(|a| !a.is_empty()) {
+        if doc["revision"]["uncommitted"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty())
+        {
             " (with uncommitted changes in agent/common/ebpf)"
         } else {
             ""
@@ -30,7 +37,10 @@ pub(crate) fn header(doc: &Value) -> String {
 /// in `doc` (a missing pair is appended at the end).
 pub(crate) fn update_docs(doc: &Path, name: &str, body: &str) -> Result<(), String> {
     let text = fs::read_to_string(doc).map_err(|e| format!("{}: {e}", doc.display()))?;
-    let (b, e) = (format!("<!-- bench:{name}:begin -->"), format!("<!-- bench:{name}:end -->"));
+    let (b, e) = (
+        format!("<!-- bench:{name}:begin -->"),
+        format!("<!-- bench:{name}:end -->"),
+    );
     let section = format!("{b}\n{}\n{e}", body.trim_end());
     let new = match (text.find(&b), text.find(&e)) {
         (Some(i), Some(j)) if j > i => format!("{}{section}{}", &text[..i], &text[j + e.len()..]),

@@ -103,7 +103,6 @@ pub(crate) fn revision() -> Value {
     json!({"commit": git(&["rev-parse", "--short", "HEAD"]), "uncommitted": dirty})
 }
 
-
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -133,4 +132,3 @@ pub(crate) fn min_max(v: &[f64]) -> (f64, f64) {
             (lo.min(*x), hi.max(*x))
         })
 }
-

@@ -1,0 +1,134 @@
+//! Reading and writing the tc path's maps: Maglev tables, source ranges, SNAT addresses,
+//! and the conntrack map's fill (for `/metrics`).
+//!
+//! Each map is optional: an eBPF object built before the tc path has none of them, and
+//! an agent without `--devices` must keep working with it.
+
+use std::{collections::BTreeSet, path::Path};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, LpmTrie, Map, MapData, MapError, lpm_trie::Key},
+};
+use ferry_common::{
+    Addr,
+    ct::{CT_MAP, CtEntry, CtKey},
+    ext::{
+        MAGLEV_MAP, MaglevTable, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, SnatAddrKey, SourceRangeKey,
+    },
+};
+
+use super::external::{ExternalContent, ExternalPlan, SourceRange};
+
+pub struct ExternalMaps {
+    maglev: HashMap<MapData, u32, MaglevTable>,
+    ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    snat: HashMap<MapData, SnatAddrKey, Addr>,
+    pub(crate) ct: Option<HashMap<MapData, CtKey, CtEntry>>,
+}
+
+impl ExternalMaps {
+    /// The tc maps of a loaded object; `None` when it predates the tc path.
+    pub fn from_ebpf(ebpf: &mut Ebpf) -> Option<ExternalMaps> {
+        let mut take = |name: &str| ebpf.take_map(name);
+        let maglev = HashMap::try_from(take(MAGLEV_MAP)?).ok()?;
+        let ranges = LpmTrie::try_from(take(SOURCE_RANGES_MAP)?).ok()?;
+        let snat = HashMap::try_from(take(SNAT_ADDRS_MAP)?).ok()?;
+        let ct = take(CT_MAP).and_then(|m| HashMap::try_from(m).ok());
+        Some(ExternalMaps {
+            maglev,
+            ranges,
+            snat,
+            ct,
+        })
+    }
+
+    /// The pinned tc maps (`ferry list`, `ferry explain`); `None` when not pinned.
+    pub fn open_pinned(dir: &Path, ct_pin: &Path) -> Option<ExternalMaps> {
+        let open = |name: &str| MapData::from_pin(dir.join(name)).ok();
+        Some(ExternalMaps {
+            maglev: HashMap::try_from(Map::HashMap(open(MAGLEV_MAP)?)).ok()?,
+            ranges: LpmTrie::try_from(Map::LpmTrie(open(SOURCE_RANGES_MAP)?)).ok()?,
+            snat: HashMap::try_from(Map::HashMap(open(SNAT_ADDRS_MAP)?)).ok()?,
+            ct: MapData::from_pin(ct_pin)
+                .ok()
+                .and_then(|d| HashMap::try_from(Map::LruHashMap(d)).ok()),
+        })
+    }
+
+    pub fn read(&self) -> Result<ExternalContent, MapError> {
+        let mut c = ExternalContent::default();
+        for kv in self.maglev.iter() {
+            let (id, table) = kv?;
+            c.maglev.insert(id, Box::new(table));
+        }
+        for k in self.ranges.keys() {
+            let k = k?;
+            c.ranges
+                .insert(SourceRange::from_lpm(k.prefix_len(), &k.data()));
+        }
+        Ok(c)
+    }
+
+    /// Upserts, in plan order. Returns the service ids whose table could not be written:
+    /// their frontends' slot 0 must not be written either.
+    pub fn upsert(&mut self, plan: &ExternalPlan, failures: &mut Vec<String>) -> BTreeSet<u32> {
+        let mut failed = BTreeSet::new();
+        for (id, table) in &plan.maglev_upserts {
+            if let Err(e) = self.maglev.insert(id, **table, 0) {
+                failures.push(format!("maglev table of service id {id}: {e}"));
+                failed.insert(*id);
+            }
+        }
+        for r in &plan.range_upserts {
+            let (len, key) = r.lpm();
+            if let Err(e) = self.ranges.insert(&Key::new(len, key), 1, 0) {
+                failures.push(format!("source range of service id {}: {e}", r.svc_id));
+                failed.insert(r.svc_id);
+            }
+        }
+        failed
+    }
+
+    pub fn delete(&mut self, plan: &ExternalPlan, failures: &mut Vec<String>) {
+        for r in &plan.range_deletes {
+            let (len, key) = r.lpm();
+            match self.ranges.remove(&Key::new(len, key)) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => failures.push(format!("source range of service id {}: {e}", r.svc_id)),
+            }
+        }
+        for id in &plan.maglev_deletes {
+            match self.maglev.remove(id) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(e) => failures.push(format!("maglev table of service id {id}: {e}")),
+            }
+        }
+    }
+
+    /// Makes `FERRY_SNAT_ADDRS` hold exactly `want`; returns the writes done.
+    pub fn sync_snat(&mut self, want: &[(SnatAddrKey, Addr)]) -> Result<usize, MapError> {
+        let mut writes = 0;
+        let current: Vec<(SnatAddrKey, Addr)> = self.snat.iter().collect::<Result<_, _>>()?;
+        for (k, v) in want {
+            if !current.contains(&(*k, *v)) {
+                self.snat.insert(k, v, 0)?;
+                writes += 1;
+            }
+        }
+        for (k, _) in current
+            .iter()
+            .filter(|(k, _)| !want.iter().any(|(w, _)| w == k))
+        {
+            match self.snat.remove(k) {
+                Ok(()) | Err(MapError::KeyNotFound) => writes += 1,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(writes)
+    }
+
+    pub fn snat_entries(&self) -> Vec<(SnatAddrKey, Addr)> {
+        self.snat.iter().filter_map(Result::ok).collect()
+    }
+}
