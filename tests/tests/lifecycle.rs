@@ -234,13 +234,23 @@ fn restart_keeps_traffic_and_state(test: &str, signal: i32) {
             w.maps_dir().join(name).display()
         );
     }
+    let pins: Vec<String> = std::fs::read_dir(w.bpffs.join("links"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let tc_pins = pins.iter().filter(|p| p.starts_with("tc_")).count();
     assert_eq!(
-        std::fs::read_dir(w.bpffs.join("links"))
-            .map(|d| d.count())
-            .unwrap_or(0),
+        pins.len() - tc_pins,
         8,
-        "agent down: all 8 links must stay pinned in {}",
+        "agent down: all 8 socket-hook links must stay pinned in {}: {pins:?}",
         w.bpffs.join("links").display()
+    );
+    assert!(
+        tc_pins > 0 && tc_pins % 2 == 0,
+        "agent down: the tc links (ingress and egress per node device) must stay pinned: {pins:?}"
     );
     assert_attached_once(&w, "agent down");
     session.expect_reply("two", &backend, "agent down");
@@ -271,6 +281,11 @@ fn restart_keeps_traffic_and_state(test: &str, signal: i32) {
         count(&second_run, "swapped program behind pinned link"),
         8,
         "second run must swap all 8 programs behind their pinned links (BPF_LINK_UPDATE); log:\n{second_run}"
+    );
+    assert_eq!(
+        count(&second_run, "swapped tc program behind pinned link"),
+        tc_pins,
+        "second run must swap the tc program behind every pinned tc link; log:\n{second_run}"
     );
     assert_attached_once(&w, "after restart");
 
