@@ -56,7 +56,9 @@ fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
 pub struct Store {
     services: HashMap<ObjectKey, Box<Service>>,
     slices: HashMap<ObjectKey, SliceLite>,
-    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Each Service's slices, by name (a slice is in its Service's namespace), sorted: a
+    /// Vec, as a Service has one or a few, where a BTreeSet would allocate a whole node.
+    slices_by_service: HashMap<ObjectKey, Vec<Box<str>>>,
     /// Slices that name no Service (reported, never programmed).
     orphans: BTreeSet<ObjectKey>,
     node: Option<Node>,
@@ -138,10 +140,11 @@ impl Store {
         self.remove_slice(&k, dirty);
         match owner_of(&slice) {
             Some(owner) => {
-                self.slices_by_service
-                    .entry(owner.clone())
-                    .or_default()
-                    .insert(k.clone());
+                let names = self.slices_by_service.entry(owner.clone()).or_default();
+                if let Err(at) = names.binary_search_by(|n| (**n).cmp(&k.name)) {
+                    names.reserve_exact(1);
+                    names.insert(at, k.name.as_str().into());
+                }
                 dirty.services.insert(owner);
             }
             None => {
@@ -157,9 +160,9 @@ impl Store {
         };
         self.orphans.remove(k);
         if let Some(owner) = owner_of(&old) {
-            if let Some(set) = self.slices_by_service.get_mut(&owner) {
-                set.remove(k);
-                if set.is_empty() {
+            if let Some(names) = self.slices_by_service.get_mut(&owner) {
+                names.retain(|n| **n != *k.name);
+                if names.is_empty() {
                     self.slices_by_service.remove(&owner);
                 }
             }
@@ -183,14 +186,17 @@ impl Store {
         }
     }
 
+    /// The keys of a Service's slices, in name order.
+    fn slice_keys<'a>(&'a self, svc: &'a ObjectKey) -> impl Iterator<Item = ObjectKey> + 'a {
+        let names = self.slices_by_service.get(svc).into_iter().flatten();
+        names.map(|n| ObjectKey::new(svc.namespace.clone(), n.to_string()))
+    }
+
     /// The Service's slices as API objects, for the model (built only for Services that
     /// are recomputed).
     fn slices_of(&self, svc: &ObjectKey) -> Vec<EndpointSlice> {
-        self.slices_by_service
-            .get(svc)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.slices.get(k).map(SliceLite::to_k8s))
+        self.slice_keys(svc)
+            .filter_map(|k| self.slices.get(&k).map(SliceLite::to_k8s))
             .collect()
     }
 
@@ -221,9 +227,9 @@ impl Store {
     ) -> Vec<(ObjectKey, ObjectKey, String)> {
         let mut out = Vec::new();
         for svc in services {
-            for k in self.slices_by_service.get(svc).into_iter().flatten() {
-                if let Some(v) = self.slices.get(k).and_then(|s| s.trigger_time.as_deref()) {
-                    out.push((svc.clone(), k.clone(), v.to_string()));
+            for k in self.slice_keys(svc) {
+                if let Some(v) = self.slices.get(&k).and_then(|s| s.trigger_time.as_deref()) {
+                    out.push((svc.clone(), k, v.to_string()));
                 }
             }
         }
@@ -269,8 +275,8 @@ type FrontendId = (std::net::IpAddr, u16, Protocol, Scope);
 pub struct Engine {
     pub store: Store,
     pub node: NodeInfo,
+    /// Ordered by namespace and name first, so a Service's ports are one range of it.
     desired: BTreeMap<ServicePortId, ServicePortState>,
-    ports_of: HashMap<ObjectKey, BTreeSet<ServicePortId>>,
     /// Which ServicePort owns each frontend: the first to claim it keeps it, so two
     /// Services fighting over an address never flap.
     owner: HashMap<FrontendId, ServicePortId>,
@@ -318,11 +324,15 @@ impl Engine {
     pub fn recompute(&mut self, dirty: &Dirty) -> Vec<ServicePortId> {
         self.node.zone = zone_of(self.store.node());
         let keys: BTreeSet<ObjectKey> = if dirty.all {
+            let programmed = self
+                .desired
+                .keys()
+                .map(|id| ObjectKey::new(id.namespace.clone(), id.name.clone()));
             self.store
                 .services
                 .keys()
-                .chain(self.ports_of.keys())
                 .cloned()
+                .chain(programmed)
                 .collect()
         } else {
             dirty.services.clone()
@@ -353,7 +363,7 @@ impl Engine {
             ),
             None => model::DesiredState::default(),
         };
-        let old_ports = self.ports_of.remove(k).unwrap_or_default();
+        let old_ports: BTreeSet<ServicePortId> = self.ports_of(k).cloned().collect();
         let mut released = BTreeSet::new();
         for id in &old_ports {
             released.extend(self.release_frontends(id));
@@ -374,9 +384,6 @@ impl Engine {
             self.desired.remove(id);
             changes.push(id.clone());
         }
-        if !new_ports.is_empty() {
-            self.ports_of.insert(k.clone(), new_ports);
-        }
         if state.problems.is_empty() && state.skips.is_empty() {
             self.problems.remove(k);
         } else {
@@ -391,6 +398,24 @@ impl Engine {
             .flatten()
             .filter(|l| l != k)
             .collect()
+    }
+
+    /// The ServicePorts of Service `k` in the desired state.
+    fn ports_of<'a>(&'a self, k: &ObjectKey) -> impl Iterator<Item = &'a ServicePortId> + 'a {
+        // The smallest id of the Service: empty port name, then the first protocol and
+        // family.
+        let first = ServicePortId {
+            namespace: k.namespace.clone(),
+            name: k.name.clone(),
+            port_name: String::new(),
+            protocol: Protocol::Tcp,
+            family: model::IpFamily::V4,
+        };
+        let (namespace, name) = (first.namespace.clone(), first.name.clone());
+        self.desired
+            .range(first..)
+            .map(|(id, _)| id)
+            .take_while(move |id| id.namespace == namespace && id.name == name)
     }
 
     /// Lets go of a ServicePort's frontends; returns them.
