@@ -7,18 +7,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::{core::v1::Node, discovery::v1::EndpointSlice};
 
 use crate::{
     model::{
         self, FrontendKind, NodeInfo, Problem, Protocol, Scope, ServicePortId, ServicePortState,
         Skip,
     },
-    source::{ObjectKey, SourceEvent},
-    source::{SliceLite, compact::compact_service},
+    source::{ObjectKey, ServiceLite, SliceLite, SourceEvent},
 };
 
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -39,10 +35,6 @@ impl Dirty {
     }
 }
 
-fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<ObjectKey> {
-    ObjectKey::from_meta(meta)
-}
-
 /// The Service an EndpointSlice belongs to (same namespace, `kubernetes.io/service-name`).
 fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
     let name = slice.label(SERVICE_NAME_LABEL)?;
@@ -54,7 +46,7 @@ fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
 
 #[derive(Debug, Default)]
 pub struct Store {
-    services: HashMap<ObjectKey, Box<Service>>,
+    services: HashMap<ObjectKey, Box<ServiceLite>>,
     slices: HashMap<ObjectKey, SliceLite>,
     /// Each Service's slices, by name (a slice is in its Service's namespace), sorted: a
     /// Vec, as a Service has one or a few, where a BTreeSet would allocate a whole node.
@@ -82,11 +74,7 @@ impl Store {
         match event {
             SourceEvent::ServicesReset(list) => self.reset_services(list, dirty),
             SourceEvent::SlicesReset(list) => self.reset_slices(list, dirty),
-            SourceEvent::ServiceApplied(svc) => {
-                if let Some(k) = key_of(&svc.metadata) {
-                    self.put_service(k, svc, dirty);
-                }
-            }
+            SourceEvent::ServiceApplied(svc) => self.put_service(svc.key(), svc, dirty),
             SourceEvent::ServiceDeleted(k) => {
                 if self.services.remove(&k).is_some() {
                     dirty.services.insert(k);
@@ -105,20 +93,17 @@ impl Store {
         }
     }
 
-    fn put_service(&mut self, k: ObjectKey, svc: Service, dirty: &mut Dirty) {
-        let svc = compact_service(svc);
+    fn put_service(&mut self, k: ObjectKey, svc: ServiceLite, dirty: &mut Dirty) {
         if self.services.get(&k).map(|b| &**b) != Some(&svc) {
             self.services.insert(k.clone(), Box::new(svc));
             dirty.services.insert(k);
         }
     }
 
-    fn reset_services(&mut self, list: Vec<Service>, dirty: &mut Dirty) {
-        let mut next: HashMap<ObjectKey, Box<Service>> = HashMap::with_capacity(list.len());
+    fn reset_services(&mut self, list: Vec<ServiceLite>, dirty: &mut Dirty) {
+        let mut next: HashMap<ObjectKey, Box<ServiceLite>> = HashMap::with_capacity(list.len());
         for svc in list {
-            if let Some(k) = key_of(&svc.metadata) {
-                next.insert(k, Box::new(compact_service(svc)));
-            }
+            next.insert(svc.key(), Box::new(svc));
         }
         for (k, old) in &self.services {
             if next.get(k) != Some(old) {
@@ -356,11 +341,7 @@ impl Engine {
         changes: &mut Vec<ServicePortId>,
     ) -> BTreeSet<ObjectKey> {
         let mut state = match self.store.services.get(k) {
-            Some(svc) => model::compute(
-                std::slice::from_ref(&**svc),
-                &self.store.slices_of(k),
-                &self.node,
-            ),
+            Some(svc) => model::compute(&[svc.to_k8s()], &self.store.slices_of(k), &self.node),
             None => model::DesiredState::default(),
         };
         let old_ports: BTreeSet<ServicePortId> = self.ports_of(k).cloned().collect();
@@ -478,11 +459,12 @@ fn frontend_field(kind: FrontendKind) -> String {
 mod tests {
     use super::*;
 
-    fn svc(name: &str, ip: &str, extra: &str) -> Service {
-        serde_yaml::from_str(&format!(
+    fn svc(name: &str, ip: &str, extra: &str) -> ServiceLite {
+        let svc: k8s_openapi::api::core::v1::Service = serde_yaml::from_str(&format!(
             "metadata: {{name: {name}, namespace: default}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}]{extra}}}"
         ))
-        .unwrap()
+        .unwrap();
+        ServiceLite::from_k8s(&svc).unwrap()
     }
 
     fn slice(name: &str, svc: &str, ips: &[&str]) -> SliceLite {
