@@ -357,6 +357,11 @@ impl Engine {
             }
             new_ports.insert(id.clone());
             if self.desired.get(&id) != Some(&sp) {
+                // Kept until the next change: without the room the model's pushes left.
+                sp.frontends.shrink_to_fit();
+                for f in &mut sp.frontends {
+                    f.set.endpoints.shrink_to_fit();
+                }
                 self.desired.insert(id.clone(), sp);
                 changes.push(id);
             }

@@ -6,7 +6,7 @@
 //! back ([`SliceLite::to_k8s`], [`ServiceLite::to_k8s`]) only for the Services it
 //! recomputes.
 
-use std::{borrow::Cow, collections::BTreeMap};
+use std::{borrow::Cow, collections::BTreeMap, fmt, net::IpAddr};
 
 use k8s_openapi::{
     api::core::v1::{
@@ -82,7 +82,7 @@ pub struct PortLite {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointLite {
     /// `addresses[0]`: kube-proxy uses only the first address.
-    pub address: Option<Text>,
+    pub address: Option<Address>,
     pub ready: Option<bool>,
     pub serving: Option<bool>,
     pub terminating: Option<bool>,
@@ -93,6 +93,33 @@ pub struct EndpointLite {
 
 fn text(s: &str) -> Text {
     s.into()
+}
+
+/// An endpoint address held inline when it is an IP written the way Rust writes it back
+/// (nearly always), so 100,000 endpoints need no string each; anything else (invalid, or
+/// another spelling) is kept as text, so the model sees exactly what the API said.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Address {
+    Ip(IpAddr),
+    Text(Text),
+}
+
+impl Address {
+    fn new(s: &str) -> Address {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if ip.to_string() == s => Address::Ip(ip),
+            _ => Address::Text(text(s)),
+        }
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Address::Ip(ip) => ip.fmt(f),
+            Address::Text(t) => f.write_str(t),
+        }
+    }
 }
 
 impl SliceLite {
@@ -118,7 +145,7 @@ impl SliceLite {
                 let c = e.conditions.as_ref();
                 let hints = e.hints.as_ref();
                 EndpointLite {
-                    address: e.addresses.first().map(|a| text(a)),
+                    address: e.addresses.first().map(|a| Address::new(a)),
                     ready: c.and_then(|c| c.ready),
                     serving: c.and_then(|c| c.serving),
                     terminating: c.and_then(|c| c.terminating),
@@ -546,6 +573,23 @@ mod tests {
             Some(lite),
             "converting again changes nothing"
         );
+    }
+
+    #[test]
+    fn addresses_are_inline_only_when_they_read_back_the_same() {
+        for a in [
+            "10.0.0.1",
+            "fd00::1",
+            "FD00::1",
+            "fd00:0::1",
+            "10.0.0.300",
+            "",
+        ] {
+            let addr = Address::new(a);
+            assert_eq!(addr.to_string(), a);
+            let inline = matches!(addr, Address::Ip(_));
+            assert_eq!(inline, ["10.0.0.1", "fd00::1"].contains(&a), "{a}");
+        }
     }
 
     #[test]
