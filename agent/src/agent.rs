@@ -510,7 +510,12 @@ fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status:
         source::manifests::failing_files(&first.errors);
     let objects = Arc::new(source.objects());
     let send_all = |tx: &mpsc::UnboundedSender<SourceEvent>, o: &source::Objects| {
-        let _ = tx.send(SourceEvent::ServicesReset(o.services_vec()));
+        let services = o
+            .services
+            .values()
+            .filter_map(source::ServiceLite::from_k8s)
+            .collect();
+        let _ = tx.send(SourceEvent::ServicesReset(services));
         let slices = o
             .slices
             .values()

@@ -7,18 +7,14 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::{core::v1::Node, discovery::v1::EndpointSlice};
 
 use crate::{
     model::{
         self, FrontendKind, HealthCheck, NodeInfo, Problem, Protocol, Scope, ServicePortId,
         ServicePortState, Skip,
     },
-    source::{ObjectKey, SourceEvent},
-    source::{SliceLite, compact::compact_service},
+    source::{ObjectKey, ServiceLite, SliceLite, SourceEvent},
 };
 
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -39,10 +35,6 @@ impl Dirty {
     }
 }
 
-fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<ObjectKey> {
-    ObjectKey::from_meta(meta)
-}
-
 /// The Service an EndpointSlice belongs to (same namespace, `kubernetes.io/service-name`).
 fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
     let name = slice.label(SERVICE_NAME_LABEL)?;
@@ -54,9 +46,11 @@ fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
 
 #[derive(Debug, Default)]
 pub struct Store {
-    services: HashMap<ObjectKey, Box<Service>>,
+    services: HashMap<ObjectKey, Box<ServiceLite>>,
     slices: HashMap<ObjectKey, SliceLite>,
-    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// Each Service's slices, by name (a slice is in its Service's namespace), sorted: a
+    /// Vec, as a Service has one or a few, where a BTreeSet would allocate a whole node.
+    slices_by_service: HashMap<ObjectKey, Vec<Box<str>>>,
     /// Slices that name no Service (reported, never programmed).
     orphans: BTreeSet<ObjectKey>,
     node: Option<Node>,
@@ -80,11 +74,7 @@ impl Store {
         match event {
             SourceEvent::ServicesReset(list) => self.reset_services(list, dirty),
             SourceEvent::SlicesReset(list) => self.reset_slices(list, dirty),
-            SourceEvent::ServiceApplied(svc) => {
-                if let Some(k) = key_of(&svc.metadata) {
-                    self.put_service(k, svc, dirty);
-                }
-            }
+            SourceEvent::ServiceApplied(svc) => self.put_service(svc.key(), svc, dirty),
             SourceEvent::ServiceDeleted(k) => {
                 if self.services.remove(&k).is_some() {
                     dirty.services.insert(k);
@@ -103,20 +93,17 @@ impl Store {
         }
     }
 
-    fn put_service(&mut self, k: ObjectKey, svc: Service, dirty: &mut Dirty) {
-        let svc = compact_service(svc);
+    fn put_service(&mut self, k: ObjectKey, svc: ServiceLite, dirty: &mut Dirty) {
         if self.services.get(&k).map(|b| &**b) != Some(&svc) {
             self.services.insert(k.clone(), Box::new(svc));
             dirty.services.insert(k);
         }
     }
 
-    fn reset_services(&mut self, list: Vec<Service>, dirty: &mut Dirty) {
-        let mut next: HashMap<ObjectKey, Box<Service>> = HashMap::with_capacity(list.len());
+    fn reset_services(&mut self, list: Vec<ServiceLite>, dirty: &mut Dirty) {
+        let mut next: HashMap<ObjectKey, Box<ServiceLite>> = HashMap::with_capacity(list.len());
         for svc in list {
-            if let Some(k) = key_of(&svc.metadata) {
-                next.insert(k, Box::new(compact_service(svc)));
-            }
+            next.insert(svc.key(), Box::new(svc));
         }
         for (k, old) in &self.services {
             if next.get(k) != Some(old) {
@@ -138,10 +125,11 @@ impl Store {
         self.remove_slice(&k, dirty);
         match owner_of(&slice) {
             Some(owner) => {
-                self.slices_by_service
-                    .entry(owner.clone())
-                    .or_default()
-                    .insert(k.clone());
+                let names = self.slices_by_service.entry(owner.clone()).or_default();
+                if let Err(at) = names.binary_search_by(|n| (**n).cmp(&k.name)) {
+                    names.reserve_exact(1);
+                    names.insert(at, k.name.as_str().into());
+                }
                 dirty.services.insert(owner);
             }
             None => {
@@ -157,9 +145,9 @@ impl Store {
         };
         self.orphans.remove(k);
         if let Some(owner) = owner_of(&old) {
-            if let Some(set) = self.slices_by_service.get_mut(&owner) {
-                set.remove(k);
-                if set.is_empty() {
+            if let Some(names) = self.slices_by_service.get_mut(&owner) {
+                names.retain(|n| **n != *k.name);
+                if names.is_empty() {
                     self.slices_by_service.remove(&owner);
                 }
             }
@@ -183,14 +171,17 @@ impl Store {
         }
     }
 
+    /// The keys of a Service's slices, in name order.
+    fn slice_keys<'a>(&'a self, svc: &'a ObjectKey) -> impl Iterator<Item = ObjectKey> + 'a {
+        let names = self.slices_by_service.get(svc).into_iter().flatten();
+        names.map(|n| ObjectKey::new(svc.namespace.clone(), n.to_string()))
+    }
+
     /// The Service's slices as API objects, for the model (built only for Services that
     /// are recomputed).
     fn slices_of(&self, svc: &ObjectKey) -> Vec<EndpointSlice> {
-        self.slices_by_service
-            .get(svc)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.slices.get(k).map(SliceLite::to_k8s))
+        self.slice_keys(svc)
+            .filter_map(|k| self.slices.get(&k).map(SliceLite::to_k8s))
             .collect()
     }
 
@@ -221,9 +212,9 @@ impl Store {
     ) -> Vec<(ObjectKey, ObjectKey, String)> {
         let mut out = Vec::new();
         for svc in services {
-            for k in self.slices_by_service.get(svc).into_iter().flatten() {
-                if let Some(v) = self.slices.get(k).and_then(|s| s.trigger_time.as_deref()) {
-                    out.push((svc.clone(), k.clone(), v.to_string()));
+            for k in self.slice_keys(svc) {
+                if let Some(v) = self.slices.get(&k).and_then(|s| s.trigger_time.as_deref()) {
+                    out.push((svc.clone(), k, v.to_string()));
                 }
             }
         }
@@ -269,8 +260,8 @@ type FrontendId = (std::net::IpAddr, u16, Protocol, Scope);
 pub struct Engine {
     pub store: Store,
     pub node: NodeInfo,
+    /// Ordered by namespace and name first, so a Service's ports are one range of it.
     desired: BTreeMap<ServicePortId, ServicePortState>,
-    ports_of: HashMap<ObjectKey, BTreeSet<ServicePortId>>,
     /// Which ServicePort owns each frontend: the first to claim it keeps it, so two
     /// Services fighting over an address never flap.
     owner: HashMap<FrontendId, ServicePortId>,
@@ -325,11 +316,15 @@ impl Engine {
     pub fn recompute(&mut self, dirty: &Dirty) -> Vec<ServicePortId> {
         self.node.zone = zone_of(self.store.node());
         let keys: BTreeSet<ObjectKey> = if dirty.all {
+            let programmed = self
+                .desired
+                .keys()
+                .map(|id| ObjectKey::new(id.namespace.clone(), id.name.clone()));
             self.store
                 .services
                 .keys()
-                .chain(self.ports_of.keys())
                 .cloned()
+                .chain(programmed)
                 .collect()
         } else {
             dirty.services.clone()
@@ -353,14 +348,10 @@ impl Engine {
         changes: &mut Vec<ServicePortId>,
     ) -> BTreeSet<ObjectKey> {
         let mut state = match self.store.services.get(k) {
-            Some(svc) => model::compute(
-                std::slice::from_ref(&**svc),
-                &self.store.slices_of(k),
-                &self.node,
-            ),
+            Some(svc) => model::compute(&[svc.to_k8s()], &self.store.slices_of(k), &self.node),
             None => model::DesiredState::default(),
         };
-        let old_ports = self.ports_of.remove(k).unwrap_or_default();
+        let old_ports: BTreeSet<ServicePortId> = self.ports_of(k).cloned().collect();
         match std::mem::take(&mut state.health_checks)
             .into_values()
             .next()
@@ -380,6 +371,11 @@ impl Engine {
             }
             new_ports.insert(id.clone());
             if self.desired.get(&id) != Some(&sp) {
+                // Kept until the next change: without the room the model's pushes left.
+                sp.frontends.shrink_to_fit();
+                for f in &mut sp.frontends {
+                    f.set.endpoints.shrink_to_fit();
+                }
                 self.desired.insert(id.clone(), sp);
                 changes.push(id);
             }
@@ -387,9 +383,6 @@ impl Engine {
         for id in old_ports.difference(&new_ports) {
             self.desired.remove(id);
             changes.push(id.clone());
-        }
-        if !new_ports.is_empty() {
-            self.ports_of.insert(k.clone(), new_ports);
         }
         if state.problems.is_empty() && state.skips.is_empty() {
             self.problems.remove(k);
@@ -405,6 +398,24 @@ impl Engine {
             .flatten()
             .filter(|l| l != k)
             .collect()
+    }
+
+    /// The ServicePorts of Service `k` in the desired state.
+    fn ports_of<'a>(&'a self, k: &ObjectKey) -> impl Iterator<Item = &'a ServicePortId> + 'a {
+        // The smallest id of the Service: empty port name, then the first protocol and
+        // family.
+        let first = ServicePortId {
+            namespace: k.namespace.clone(),
+            name: k.name.clone(),
+            port_name: String::new(),
+            protocol: Protocol::Tcp,
+            family: model::IpFamily::V4,
+        };
+        let (namespace, name) = (first.namespace.clone(), first.name.clone());
+        self.desired
+            .range(first..)
+            .map(|(id, _)| id)
+            .take_while(move |id| id.namespace == namespace && id.name == name)
     }
 
     /// Lets go of a ServicePort's frontends; returns them.
@@ -469,11 +480,12 @@ fn frontend_field(kind: FrontendKind) -> String {
 mod tests {
     use super::*;
 
-    fn svc(name: &str, ip: &str, extra: &str) -> Service {
-        serde_yaml::from_str(&format!(
+    fn svc(name: &str, ip: &str, extra: &str) -> ServiceLite {
+        let svc: k8s_openapi::api::core::v1::Service = serde_yaml::from_str(&format!(
             "metadata: {{name: {name}, namespace: default}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}]{extra}}}"
         ))
-        .unwrap()
+        .unwrap();
+        ServiceLite::from_k8s(&svc).unwrap()
     }
 
     fn slice(name: &str, svc: &str, ips: &[&str]) -> SliceLite {

@@ -93,14 +93,35 @@ pub struct MapContent {
 pub(crate) type BackendTuple = (Addr, u16, u8);
 
 /// What one ServicePort placed in the maps, so an incremental update can remove or
-/// replace exactly its entries.
+/// replace exactly its entries. Only its frontends' slot-0 keys are kept: its slots are
+/// `1..=count` of each (the count is in slot 0's value), and the backends it references
+/// are those slots' backend ids, both read back from the content when needed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Owned {
     pub svc_id: u32,
-    /// Every service-map key (slot 0 and slots) of its frontends.
-    pub keys: Vec<ServiceKey>,
-    /// Backend ids it references.
-    pub backends: BTreeSet<u32>,
+    pub frontends: Box<[ServiceKey]>,
+}
+
+impl Owned {
+    /// Every service-map key it owns in `content`: each frontend's slot 0, then its slots.
+    pub fn keys<'a>(&'a self, content: &'a MapContent) -> impl Iterator<Item = ServiceKey> + 'a {
+        self.frontends.iter().flat_map(|k0| {
+            let count = content.services.get(k0).map_or(0, |v| v.count);
+            (0..=count).map(move |slot| ServiceKey { slot, ..*k0 })
+        })
+    }
+
+    /// The backend ids its slots reference in `content`, sorted, each once.
+    pub fn backends(&self, content: &MapContent) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .keys(content)
+            .filter(|k| k.slot != 0)
+            .filter_map(|k| content.services.get(&k).map(|v| v.backend_id))
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
 }
 
 /// Stable ids for backends and ServicePorts, kept across syncs and adopted from the
@@ -168,10 +189,10 @@ impl Ids {
     }
 
     /// Forgets ids that the desired content no longer uses.
-    fn retain(&mut self, content: &MapContent, live: &BTreeSet<ServicePortId>) {
-        let used: BTreeSet<u32> = content.backends.keys().copied().collect();
-        self.backends.retain(|_, id| used.contains(id));
-        self.services.retain(|k, _| live.contains(k));
+    fn retain(&mut self, content: &MapContent, live: &BTreeMap<ServicePortId, Owned>) {
+        self.backends
+            .retain(|_, id| content.backends.contains_key(id));
+        self.services.retain(|k, _| live.contains_key(k));
     }
 }
 
@@ -301,8 +322,6 @@ pub fn desired_content_owned(
         });
     // Ids held by known ServicePorts are never adopted by another one.
     let mut taken: BTreeSet<u32> = ids.services.values().copied().collect();
-    let mut placed = BTreeSet::new();
-    let mut backend_tuples: BTreeSet<BackendTuple> = BTreeSet::new();
     for sp in live.into_iter().chain(new) {
         if let Some(f) = sp
             .frontends
@@ -329,8 +348,16 @@ pub fn desired_content_owned(
             });
             continue;
         }
-        let fresh = tuples.difference(&backend_tuples).count() as u32;
-        let used_b = backend_tuples.len() as u32;
+        // A tuple is placed already when its id is in `out` (one id per tuple).
+        let fresh = tuples
+            .iter()
+            .filter(|t| {
+                ids.backends
+                    .get(t)
+                    .is_none_or(|id| !out.backends.contains_key(id))
+            })
+            .count() as u32;
+        let used_b = out.backends.len() as u32;
         if used_b + fresh > cap.backends {
             errors.push(PlanError::MapFull {
                 service: sp.id.clone(),
@@ -342,13 +369,11 @@ pub fn desired_content_owned(
             });
             continue;
         }
-        backend_tuples.extend(tuples);
         let svc_id = ids.service(sp, current, &taken);
         taken.insert(svc_id);
-        placed.insert(sp.id.clone());
         owners.insert(sp.id.clone(), place(sp, svc_id, ids, &mut out));
     }
-    ids.retain(&out, &placed);
+    ids.retain(&out, &owners);
     (out, errors, owners)
 }
 
@@ -359,10 +384,7 @@ pub(crate) fn place(
     ids: &mut Ids,
     out: &mut MapContent,
 ) -> Owned {
-    let mut owned = Owned {
-        svc_id,
-        ..Default::default()
-    };
+    let mut frontends = Vec::with_capacity(sp.frontends.len());
     let proto = proto_number(sp.id.protocol);
     for f in &sp.frontends {
         let key0 = slot0_key(f, sp.id.protocol);
@@ -394,8 +416,6 @@ pub(crate) fn place(
                 slot: i as u16 + 1,
                 ..key0
             };
-            owned.keys.push(key);
-            owned.backends.insert(id);
             out.services.insert(
                 key,
                 ServiceValue {
@@ -404,7 +424,7 @@ pub(crate) fn place(
                 },
             );
         }
-        owned.keys.push(key0);
+        frontends.push(key0);
         out.services.insert(
             key0,
             ServiceValue {
@@ -416,7 +436,10 @@ pub(crate) fn place(
             },
         );
     }
-    owned
+    Owned {
+        svc_id,
+        frontends: frontends.into_boxed_slice(),
+    }
 }
 
 /// The writes for one frontend, applied as a unit: its slots first, slot 0 last.

@@ -46,6 +46,9 @@ impl Programmed {
     ) -> (Programmed, Plan, Vec<PlanError>) {
         let mut ids = Ids::adopt(current);
         let (content, errors, owners) = desired_content_owned(desired, &mut ids, current, cap);
+        // Ids of ServicePorts only matter within one full plan; from now on `owners`
+        // holds them.
+        ids.services = Default::default();
         // Empty maps are filled straight from `content` (KernelMaps::fill): no plan.
         let plan = if current == &MapContent::default() {
             Plan::default()
@@ -54,8 +57,8 @@ impl Programmed {
         };
         let mut backend_refs: HashMap<u32, u32> = HashMap::new();
         for o in owners.values() {
-            for b in &o.backends {
-                *backend_refs.entry(*b).or_default() += 1;
+            for b in o.backends(&content) {
+                *backend_refs.entry(b).or_default() += 1;
             }
         }
         let frontends = content.services.keys().filter(|k| k.slot == 0).count();
@@ -111,8 +114,10 @@ impl Programmed {
         let Some(owned) = self.owners.remove(id) else {
             return;
         };
-        self.ids.services.remove(id);
-        for k in &owned.keys {
+        // Read what it owns before its entries go.
+        let keys: Vec<ServiceKey> = owned.keys(&self.content).collect();
+        let backends = owned.backends(&self.content);
+        for k in &keys {
             t.services
                 .entry(*k)
                 .or_insert_with(|| self.content.services.get(k).copied());
@@ -120,14 +125,14 @@ impl Programmed {
                 self.frontends -= 1;
             }
         }
-        for b in &owned.backends {
+        for b in backends {
             let m = MemberKey {
                 svc_id: owned.svc_id,
-                backend_id: *b,
+                backend_id: b,
             };
             t.members.entry(m).or_insert(true);
             self.content.members.remove(&m);
-            self.release_backend(*b, t);
+            self.release_backend(b, t);
         }
     }
 
@@ -202,7 +207,6 @@ impl Programmed {
                 .or_insert_with(|| self.content.members.contains(&m));
             self.content.members.insert(m);
         }
-        self.ids.services.insert(id.clone(), svc_id);
         self.owners.insert(id.clone(), owned);
         Ok(())
     }
@@ -215,7 +219,8 @@ impl Programmed {
     ) -> Result<(), PlanError> {
         let (entries, tuples) = footprint(state);
         let old = self.owners.get(id);
-        let used = self.content.services.len() as u32 - old.map_or(0, |o| o.keys.len() as u32);
+        let old_entries = old.map_or(0, |o| o.keys(&self.content).count() as u32);
+        let used = self.content.services.len() as u32 - old_entries;
         if used + entries > cap.services {
             return Err(PlanError::MapFull {
                 service: id.clone(),
@@ -233,7 +238,7 @@ impl Programmed {
             .filter(|t| !self.ids.backends.contains_key(t))
             .count() as u32;
         let freed = old.map_or(0, |o| {
-            o.backends
+            o.backends(&self.content)
                 .iter()
                 .filter(|b| self.backend_refs.get(b).copied().unwrap_or(0) <= 1)
                 .filter(|b| {
@@ -378,7 +383,7 @@ mod tests {
             let used: BTreeSet<u32> = p
                 .owners
                 .values()
-                .flat_map(|o| o.backends.iter().copied())
+                .flat_map(|o| o.backends(&p.content))
                 .collect();
             let stored: BTreeSet<u32> = p.content.backends.keys().copied().collect();
             assert_eq!(

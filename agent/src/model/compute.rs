@@ -870,6 +870,33 @@ pub(crate) mod testutil {
             actual == expected,
             "model output differs\n--- expected\n{expected}--- actual\n{actual}"
         );
+        assert_compact_same(&services, &slices, node, &actual);
+    }
+
+    /// The agent stores objects compact and rebuilds them for the model: the model must
+    /// decide the same from them (checked when every object has a name, so is stored).
+    fn assert_compact_same(
+        services: &[Service],
+        slices: &[EndpointSlice],
+        node: &NodeInfo,
+        full: &str,
+    ) {
+        use crate::source::{ServiceLite, SliceLite};
+        let services: Option<Vec<Service>> = services
+            .iter()
+            .map(|s| ServiceLite::from_k8s(s).map(|l| l.to_k8s()))
+            .collect();
+        let slices: Option<Vec<EndpointSlice>> = slices
+            .iter()
+            .map(|s| SliceLite::from_k8s(s).map(|l| l.to_k8s()))
+            .collect();
+        if let (Some(services), Some(slices)) = (services, slices) {
+            let compact = render(&super::compute(&services, &slices, node));
+            assert!(
+                compact == full,
+                "compact objects change the model\n--- from the API objects\n{full}--- from the compact ones\n{compact}"
+            );
+        }
     }
 }
 

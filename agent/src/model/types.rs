@@ -115,6 +115,7 @@ impl fmt::Display for IpFamily {
 
 /// kube-proxy's ServicePortName, plus the family: one per family of a dual-stack Service.
 /// Displays as `namespace/name:port/TCP/IPv4` (`port` is the Service port's name, may be empty).
+/// Ordered by namespace and name first: the engine finds a Service's ports as one range.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePortId {
     pub namespace: String,

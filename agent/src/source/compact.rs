@@ -1,13 +1,18 @@
-//! EndpointSlices as ferry keeps them: only what kube-proxy reads, in about a tenth of
-//! the memory of the API object. A k8s-openapi `Endpoint` is 352 bytes before any of
-//! its strings; 10,000 slices of 10 endpoints held as API objects cost ~80 MiB, as
-//! [`SliceLite`] ~10 MiB. Sources convert on arrival; the model gets an API object back
-//! ([`SliceLite::to_k8s`]) only for the Services it recomputes.
+//! Services and EndpointSlices as ferry keeps them: only what kube-proxy reads, in a
+//! fraction of the memory of the API objects. A k8s-openapi `Endpoint` is 352 bytes
+//! before any of its strings; 10,000 slices of 10 endpoints held as API objects cost
+//! ~80 MiB, as [`SliceLite`] ~10 MiB. A `Service` is 824 bytes before its strings, a
+//! [`ServiceLite`] about 200. Sources convert on arrival; the model gets API objects
+//! back ([`SliceLite::to_k8s`], [`ServiceLite::to_k8s`]) only for the Services it
+//! recomputes.
 
-use std::collections::BTreeMap;
+use std::{borrow::Cow, collections::BTreeMap, fmt, net::IpAddr};
 
 use k8s_openapi::{
-    api::core::v1::Service,
+    api::core::v1::{
+        ClientIPConfig, LoadBalancerIngress, LoadBalancerStatus, Service, ServicePort, ServiceSpec,
+        ServiceStatus, SessionAffinityConfig,
+    },
     api::discovery::v1::{
         Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice, ForNode, ForZone,
     },
@@ -26,6 +31,35 @@ pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time
 
 type Text = Box<str>;
 
+/// A value most objects share (a type, protocol or policy name): the known ones are not
+/// allocated per object.
+pub type Word = Cow<'static, str>;
+
+const WORDS: [&str; 15] = [
+    "ClusterIP",
+    "NodePort",
+    "LoadBalancer",
+    "ExternalName",
+    "TCP",
+    "UDP",
+    "SCTP",
+    "Cluster",
+    "Local",
+    "None",
+    "ClientIP",
+    "VIP",
+    "Proxy",
+    "IPv4",
+    "IPv6",
+];
+
+fn word(s: &str) -> Word {
+    match WORDS.iter().find(|w| **w == s) {
+        Some(w) => Cow::Borrowed(w),
+        None => Cow::Owned(s.to_owned()),
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceLite {
     pub namespace: Text,
@@ -33,7 +67,7 @@ pub struct SliceLite {
     pub labels: Box<[(Text, Text)]>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, for network programming latency.
     pub trigger_time: Option<Text>,
-    pub address_type: Text,
+    pub address_type: Word,
     pub ports: Box<[PortLite]>,
     pub endpoints: Box<[EndpointLite]>,
 }
@@ -42,13 +76,13 @@ pub struct SliceLite {
 pub struct PortLite {
     pub name: Option<Text>,
     pub port: Option<i32>,
-    pub protocol: Option<Text>,
+    pub protocol: Option<Word>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointLite {
     /// `addresses[0]`: kube-proxy uses only the first address.
-    pub address: Option<Text>,
+    pub address: Option<Address>,
     pub ready: Option<bool>,
     pub serving: Option<bool>,
     pub terminating: Option<bool>,
@@ -59,6 +93,33 @@ pub struct EndpointLite {
 
 fn text(s: &str) -> Text {
     s.into()
+}
+
+/// An endpoint address held inline when it is an IP written the way Rust writes it back
+/// (nearly always), so 100,000 endpoints need no string each; anything else (invalid, or
+/// another spelling) is kept as text, so the model sees exactly what the API said.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Address {
+    Ip(IpAddr),
+    Text(Text),
+}
+
+impl Address {
+    fn new(s: &str) -> Address {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if ip.to_string() == s => Address::Ip(ip),
+            _ => Address::Text(text(s)),
+        }
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Address::Ip(ip) => ip.fmt(f),
+            Address::Text(t) => f.write_str(t),
+        }
+    }
 }
 
 impl SliceLite {
@@ -76,13 +137,7 @@ impl SliceLite {
     /// `None` when the slice has no name (never stored).
     pub fn from_k8s(s: &EndpointSlice) -> Option<SliceLite> {
         let meta = &s.metadata;
-        let labels = meta
-            .labels
-            .iter()
-            .flatten()
-            .filter(|(k, _)| KEPT_LABELS.contains(&k.as_str()))
-            .map(|(k, v)| (text(k), text(v)))
-            .collect();
+        let labels = kept_labels(meta);
         let endpoints = s
             .endpoints
             .iter()
@@ -90,7 +145,7 @@ impl SliceLite {
                 let c = e.conditions.as_ref();
                 let hints = e.hints.as_ref();
                 EndpointLite {
-                    address: e.addresses.first().map(|a| text(a)),
+                    address: e.addresses.first().map(|a| Address::new(a)),
                     ready: c.and_then(|c| c.ready),
                     serving: c.and_then(|c| c.serving),
                     terminating: c.and_then(|c| c.terminating),
@@ -117,7 +172,7 @@ impl SliceLite {
             .map(|p| PortLite {
                 name: p.name.as_deref().map(text),
                 port: p.port,
-                protocol: p.protocol.as_deref().map(text),
+                protocol: p.protocol.as_deref().map(word),
             })
             .collect();
         Some(SliceLite {
@@ -129,7 +184,7 @@ impl SliceLite {
                 .as_ref()
                 .and_then(|a| a.get(TRIGGER_TIME))
                 .map(|t| text(t)),
-            address_type: text(&s.address_type),
+            address_type: word(&s.address_type),
             ports,
             endpoints,
         })
@@ -137,21 +192,13 @@ impl SliceLite {
 
     /// The API object the model reads (with only the fields kept here).
     pub fn to_k8s(&self) -> EndpointSlice {
-        let labels: BTreeMap<String, String> = self
-            .labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
         EndpointSlice {
             metadata: ObjectMeta {
-                name: Some(self.name.to_string()),
-                namespace: Some(self.namespace.to_string()),
-                labels: (!labels.is_empty()).then_some(labels),
                 annotations: self
                     .trigger_time
                     .as_ref()
                     .map(|t| [(TRIGGER_TIME.to_string(), t.to_string())].into()),
-                ..Default::default()
+                ..meta(&self.namespace, &self.name, &self.labels)
             },
             address_type: self.address_type.to_string(),
             ports: (!self.ports.is_empty()).then(|| {
@@ -208,25 +255,209 @@ impl EndpointLite {
     }
 }
 
-/// A Service without what the model never reads: the selector (it can be large),
-/// status conditions, managed fields, annotations and bookkeeping metadata.
-pub fn compact_service(mut svc: Service) -> Service {
-    let m = &mut svc.metadata;
-    m.managed_fields = None;
-    m.owner_references = None;
-    m.finalizers = None;
-    m.annotations = None;
-    m.uid = None;
-    m.resource_version = None;
-    m.creation_timestamp = None;
-    m.generation = None;
-    if let Some(spec) = svc.spec.as_mut() {
-        spec.selector = None;
+/// The labels the model reads, of any object.
+fn kept_labels(meta: &ObjectMeta) -> Box<[(Text, Text)]> {
+    meta.labels
+        .iter()
+        .flatten()
+        .filter(|(k, _)| KEPT_LABELS.contains(&k.as_str()))
+        .map(|(k, v)| (text(k), text(v)))
+        .collect()
+}
+
+/// The metadata of an API object rebuilt from a compact one.
+fn meta(namespace: &str, name: &str, labels: &[(Text, Text)]) -> ObjectMeta {
+    let labels: BTreeMap<String, String> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    ObjectMeta {
+        name: Some(name.to_string()),
+        namespace: Some(namespace.to_string()),
+        labels: (!labels.is_empty()).then_some(labels),
+        ..Default::default()
     }
-    if let Some(status) = svc.status.as_mut() {
-        status.conditions = None;
+}
+
+fn strings(list: &[Text]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// A Service as the model reads it: no selector, managed fields, annotations, status
+/// conditions or bookkeeping metadata.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceLite {
+    pub namespace: Text,
+    pub name: Text,
+    pub labels: Box<[(Text, Text)]>,
+    /// `None` when the Service has none (the model reports it).
+    pub spec: Option<SpecLite>,
+    /// `status.loadBalancer.ingress`, every entry (the model names them by index).
+    pub ingress: Box<[IngressLite]>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecLite {
+    pub type_: Option<Word>,
+    /// Only kept when `cluster_ips` is empty: the model reads it then alone.
+    pub cluster_ip: Option<Text>,
+    pub cluster_ips: Box<[Text]>,
+    pub ports: Box<[ServicePortLite]>,
+    pub external_ips: Box<[Text]>,
+    pub internal_traffic_policy: Option<Word>,
+    pub session_affinity: Option<Word>,
+    /// `sessionAffinityConfig.clientIP.timeoutSeconds`.
+    pub affinity_timeout_s: Option<i32>,
+    pub external_traffic_policy: Option<Word>,
+    pub load_balancer_source_ranges: Box<[Text]>,
+    pub health_check_node_port: Option<i32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePortLite {
+    pub name: Option<Text>,
+    pub protocol: Option<Word>,
+    pub port: i32,
+    pub node_port: Option<i32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IngressLite {
+    pub ip: Option<Text>,
+    pub ip_mode: Option<Word>,
+}
+
+impl ServiceLite {
+    pub fn key(&self) -> ObjectKey {
+        ObjectKey::new(self.namespace.to_string(), self.name.to_string())
     }
-    svc
+
+    /// `None` when the Service has no name (never stored). No namespace means `default`.
+    pub fn from_k8s(svc: &Service) -> Option<ServiceLite> {
+        let key = ObjectKey::from_meta(&svc.metadata)?;
+        let ingress = svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref());
+        Some(ServiceLite {
+            namespace: text(&key.namespace),
+            name: text(&key.name),
+            labels: kept_labels(&svc.metadata),
+            spec: svc.spec.as_ref().map(SpecLite::from_k8s),
+            ingress: ingress
+                .into_iter()
+                .flatten()
+                .map(|i| IngressLite {
+                    ip: i.ip.as_deref().map(text),
+                    ip_mode: i.ip_mode.as_deref().map(word),
+                })
+                .collect(),
+        })
+    }
+
+    /// The API object the model reads (with only the fields kept here).
+    pub fn to_k8s(&self) -> Service {
+        let ingress: Vec<LoadBalancerIngress> = self
+            .ingress
+            .iter()
+            .map(|i| LoadBalancerIngress {
+                ip: i.ip.as_ref().map(|s| s.to_string()),
+                ip_mode: i.ip_mode.as_ref().map(|s| s.to_string()),
+                ..Default::default()
+            })
+            .collect();
+        Service {
+            metadata: meta(&self.namespace, &self.name, &self.labels),
+            spec: self.spec.as_ref().map(SpecLite::to_k8s),
+            status: (!ingress.is_empty()).then(|| ServiceStatus {
+                load_balancer: Some(LoadBalancerStatus {
+                    ingress: Some(ingress),
+                }),
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+impl SpecLite {
+    fn from_k8s(spec: &ServiceSpec) -> SpecLite {
+        let cluster_ips: Box<[Text]> = spec.cluster_ips.iter().flatten().map(|s| text(s)).collect();
+        SpecLite {
+            type_: spec.type_.as_deref().map(word),
+            cluster_ip: spec
+                .cluster_ip
+                .as_deref()
+                .filter(|_| cluster_ips.is_empty())
+                .map(text),
+            cluster_ips,
+            ports: spec
+                .ports
+                .iter()
+                .flatten()
+                .map(|p| ServicePortLite {
+                    name: p.name.as_deref().map(text),
+                    protocol: p.protocol.as_deref().map(word),
+                    port: p.port,
+                    node_port: p.node_port,
+                })
+                .collect(),
+            external_ips: spec
+                .external_ips
+                .iter()
+                .flatten()
+                .map(|s| text(s))
+                .collect(),
+            internal_traffic_policy: spec.internal_traffic_policy.as_deref().map(word),
+            session_affinity: spec.session_affinity.as_deref().map(word),
+            affinity_timeout_s: spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds),
+            external_traffic_policy: spec.external_traffic_policy.as_deref().map(word),
+            load_balancer_source_ranges: spec
+                .load_balancer_source_ranges
+                .iter()
+                .flatten()
+                .map(|s| text(s))
+                .collect(),
+            health_check_node_port: spec.health_check_node_port,
+        }
+    }
+
+    fn to_k8s(&self) -> ServiceSpec {
+        ServiceSpec {
+            type_: self.type_.as_ref().map(|s| s.to_string()),
+            cluster_ip: self.cluster_ip.as_ref().map(|s| s.to_string()),
+            cluster_ips: (!self.cluster_ips.is_empty()).then(|| strings(&self.cluster_ips)),
+            ports: (!self.ports.is_empty()).then(|| {
+                self.ports
+                    .iter()
+                    .map(|p| ServicePort {
+                        name: p.name.as_ref().map(|s| s.to_string()),
+                        protocol: p.protocol.as_ref().map(|s| s.to_string()),
+                        port: p.port,
+                        node_port: p.node_port,
+                        ..Default::default()
+                    })
+                    .collect()
+            }),
+            external_ips: (!self.external_ips.is_empty()).then(|| strings(&self.external_ips)),
+            internal_traffic_policy: self.internal_traffic_policy.as_ref().map(|s| s.to_string()),
+            session_affinity: self.session_affinity.as_ref().map(|s| s.to_string()),
+            session_affinity_config: self.affinity_timeout_s.map(|t| SessionAffinityConfig {
+                client_ip: Some(ClientIPConfig {
+                    timeout_seconds: Some(t),
+                }),
+            }),
+            external_traffic_policy: self.external_traffic_policy.as_ref().map(|s| s.to_string()),
+            load_balancer_source_ranges: (!self.load_balancer_source_ranges.is_empty())
+                .then(|| strings(&self.load_balancer_source_ranges)),
+            health_check_node_port: self.health_check_node_port,
+            ..Default::default()
+        }
+    }
 }
 
 #[cfg(test)]
@@ -299,5 +530,85 @@ mod tests {
             Some(lite),
             "converting again changes nothing"
         );
+    }
+
+    #[test]
+    fn service_keeps_what_the_model_reads() {
+        let s: Service = serde_yaml::from_str(
+            r#"
+            metadata:
+              name: web
+              labels: {service.kubernetes.io/service-proxy-name: other, app: web}
+              annotations: {kubectl.kubernetes.io/last-applied-configuration: "{}"}
+              managedFields: [{manager: kubectl}]
+            spec:
+              type: LoadBalancer
+              clusterIP: 10.96.0.1
+              clusterIPs: [10.96.0.1, fd00::1]
+              selector: {app: web}
+              ports: [{name: http, port: 80, protocol: TCP, nodePort: 30080, targetPort: 8080}, {port: 53, protocol: UDP}]
+              externalIPs: [203.0.113.1]
+              internalTrafficPolicy: Local
+              sessionAffinity: ClientIP
+              sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}
+            status:
+              loadBalancer: {ingress: [{hostname: lb.example}, {ip: 198.51.100.1, ipMode: Proxy}]}
+            "#,
+        )
+        .unwrap();
+        let lite = ServiceLite::from_k8s(&s).unwrap();
+        assert_eq!(lite.key(), ObjectKey::new("default", "web"));
+        assert_eq!(lite.labels.len(), 1, "unread labels are dropped");
+        let spec = lite.spec.as_ref().unwrap();
+        assert_eq!(spec.cluster_ip, None, "clusterIPs is what the model reads");
+        assert!(matches!(spec.type_, Some(Cow::Borrowed("LoadBalancer"))));
+        let back = lite.to_k8s();
+        assert!(back.metadata.annotations.is_none() && back.metadata.managed_fields.is_none());
+        let bs = back.spec.as_ref().unwrap();
+        assert!(bs.selector.is_none());
+        assert_eq!(bs.cluster_ips.as_deref().unwrap(), ["10.96.0.1", "fd00::1"]);
+        let ports = bs.ports.as_ref().unwrap();
+        assert_eq!(
+            (ports[0].name.as_deref(), ports[0].port, ports[0].node_port),
+            (Some("http"), 80, Some(30080))
+        );
+        assert_eq!(ports[1].protocol.as_deref(), Some("UDP"));
+        let timeout = bs
+            .session_affinity_config
+            .as_ref()
+            .unwrap()
+            .client_ip
+            .as_ref();
+        assert_eq!(timeout.unwrap().timeout_seconds, Some(60));
+        let ingress = back.status.unwrap().load_balancer.unwrap().ingress.unwrap();
+        assert_eq!(ingress.len(), 2, "entries keep their index");
+        assert_eq!(ingress[1].ip_mode.as_deref(), Some("Proxy"));
+        assert_eq!(
+            ServiceLite::from_k8s(&lite.to_k8s()),
+            Some(lite),
+            "converting again changes nothing"
+        );
+    }
+
+    #[test]
+    fn addresses_are_inline_only_when_they_read_back_the_same() {
+        for a in [
+            "10.0.0.1",
+            "fd00::1",
+            "FD00::1",
+            "fd00:0::1",
+            "10.0.0.300",
+            "",
+        ] {
+            let addr = Address::new(a);
+            assert_eq!(addr.to_string(), a);
+            let inline = matches!(addr, Address::Ip(_));
+            assert_eq!(inline, ["10.0.0.1", "fd00::1"].contains(&a), "{a}");
+        }
+    }
+
+    #[test]
+    fn a_service_without_name_is_not_kept() {
+        assert_eq!(ServiceLite::from_k8s(&Service::default()), None);
     }
 }

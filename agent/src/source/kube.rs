@@ -24,7 +24,7 @@ use futures::{FutureExt, StreamExt, future::BoxFuture};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::{SliceLite, compact::compact_service};
+use super::{ServiceLite, SliceLite};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, ListParams};
 use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig};
@@ -34,7 +34,6 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::SourceEvent;
-use super::store::ObjectKey;
 
 /// kube-proxy's informer label selector, used for Services and EndpointSlices (KP-01):
 /// objects another proxy owns, and headless ones, are never even listed.
@@ -444,8 +443,8 @@ impl Update {
 #[derive(Debug)]
 struct Mapper {
     node_name: String,
-    services: Vec<Service>,
     /// Converted as each object arrives: a relist never holds the API objects.
+    services: Vec<ServiceLite>,
     slices: Vec<SliceLite>,
     nodes: Vec<Node>,
     /// Which kinds finished their first list.
@@ -511,36 +510,22 @@ impl Mapper {
         let mut out: Vec<SourceEvent> = self.recovered(kind).into_iter().collect();
         let listed = match update {
             Update::Service(event) => {
-                let event = event.modify(|s| *s = compact_service(std::mem::take(s)));
                 let listed = matches!(event, watcher::Event::InitDone);
-                match step(&mut self.services, event) {
+                let event = compact(event, ServiceLite::from_k8s);
+                match event.and_then(|e| step(&mut self.services, e)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed Services");
                         out.push(SourceEvent::ServicesReset(all));
                     }
                     Some(Step::Applied(s)) => out.push(SourceEvent::ServiceApplied(s)),
-                    Some(Step::Deleted(s)) => {
-                        out.extend(
-                            ObjectKey::from_meta(&s.metadata).map(SourceEvent::ServiceDeleted),
-                        );
-                    }
+                    Some(Step::Deleted(s)) => out.push(SourceEvent::ServiceDeleted(s.key())),
                     None => {}
                 }
                 listed
             }
             Update::Slice(event) => {
                 let listed = matches!(event, watcher::Event::InitDone);
-                let event = match event {
-                    watcher::Event::Init => Some(watcher::Event::Init),
-                    watcher::Event::InitDone => Some(watcher::Event::InitDone),
-                    watcher::Event::InitApply(s) => {
-                        SliceLite::from_k8s(&s).map(watcher::Event::InitApply)
-                    }
-                    watcher::Event::Apply(s) => SliceLite::from_k8s(&s).map(watcher::Event::Apply),
-                    watcher::Event::Delete(s) => {
-                        SliceLite::from_k8s(&s).map(watcher::Event::Delete)
-                    }
-                };
+                let event = compact(event, SliceLite::from_k8s);
                 match event.and_then(|e| step(&mut self.slices, e)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed EndpointSlices");
@@ -590,6 +575,18 @@ impl Mapper {
             }
         }
         out
+    }
+}
+
+/// The event with its object converted to the compact form; `None` when the object has
+/// no name (never stored).
+fn compact<K, L>(event: watcher::Event<K>, lite: fn(&K) -> Option<L>) -> Option<watcher::Event<L>> {
+    match event {
+        watcher::Event::Init => Some(watcher::Event::Init),
+        watcher::Event::InitDone => Some(watcher::Event::InitDone),
+        watcher::Event::InitApply(o) => lite(&o).map(watcher::Event::InitApply),
+        watcher::Event::Apply(o) => lite(&o).map(watcher::Event::Apply),
+        watcher::Event::Delete(o) => lite(&o).map(watcher::Event::Delete),
     }
 }
 
@@ -704,7 +701,7 @@ mod tests {
             SourceEvent::ServicesReset(all) => format!(
                 "ServicesReset[{}]",
                 all.iter()
-                    .map(|s| name(&s.metadata))
+                    .map(|s| s.name.to_string())
                     .collect::<Vec<_>>()
                     .join(",")
             ),
@@ -715,7 +712,7 @@ mod tests {
                     .collect::<Vec<_>>()
                     .join(",")
             ),
-            SourceEvent::ServiceApplied(s) => format!("ServiceApplied {}", name(&s.metadata)),
+            SourceEvent::ServiceApplied(s) => format!("ServiceApplied {}", s.name),
             SourceEvent::ServiceDeleted(key) => format!("ServiceDeleted {key}"),
             SourceEvent::SliceApplied(s) => format!("SliceApplied {}", s.name),
             SourceEvent::SliceDeleted(key) => format!("SliceDeleted {key}"),
@@ -893,9 +890,7 @@ mod tests {
         else {
             panic!("unexpected events {events:?}");
         };
-        assert_eq!(s.metadata.managed_fields, None);
         // Services keep no annotation (kube-proxy reads none); slices keep only the trigger time.
-        assert_eq!(s.metadata.annotations, None);
         assert_eq!(
             slices[0].trigger_time.as_deref(),
             trigger_only
@@ -906,7 +901,7 @@ mod tests {
         assert_eq!(n.metadata.managed_fields, None);
         assert_eq!(n.status.as_ref().unwrap().images, None);
         // Everything else stays.
-        assert_eq!(s.metadata.name.as_deref(), Some("a"));
+        assert_eq!(&*s.name, "a");
         assert_eq!(&*slices[0].address_type, "IPv4");
     }
 

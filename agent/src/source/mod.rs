@@ -11,8 +11,8 @@ pub mod kube;
 pub mod manifests;
 pub mod store;
 
-pub use compact::SliceLite;
-use k8s_openapi::api::{core::v1::Node, core::v1::Service};
+pub use compact::{ServiceLite, SliceLite};
+use k8s_openapi::api::core::v1::Node;
 pub use store::{ObjectKey, Objects};
 
 /// What a source tells the agent, in order, over an unbounded channel.
@@ -22,11 +22,12 @@ pub use store::{ObjectKey, Objects};
 #[derive(Clone, Debug)]
 pub enum SourceEvent {
     /// The complete set of Services (initial list, relist after 410 Gone or a dropped
-    /// watch, or a manifests rescan). Replaces every Service the agent knew.
-    ServicesReset(Vec<Service>),
+    /// watch, or a manifests rescan). Replaces every Service the agent knew. Compact,
+    /// like the slices.
+    ServicesReset(Vec<ServiceLite>),
     /// The complete set of EndpointSlices, likewise (compact: see [`compact`]).
     SlicesReset(Vec<SliceLite>),
-    ServiceApplied(Service),
+    ServiceApplied(ServiceLite),
     ServiceDeleted(ObjectKey),
     SliceApplied(SliceLite),
     SliceDeleted(ObjectKey),
