@@ -86,8 +86,14 @@ pub fn flow_hash(saddr: &Addr, daddr: &Addr, sport: u16, dport: u16, proto: u8) 
 
 #[inline(always)]
 const fn mix(h: u32, k: u32) -> u32 {
-    let k = k.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
-    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+    let k = k
+        .wrapping_mul(0xcc9e_2d51)
+        .rotate_left(15)
+        .wrapping_mul(0x1b87_3593);
+    (h ^ k)
+        .rotate_left(13)
+        .wrapping_mul(5)
+        .wrapping_add(0xe654_6b64)
 }
 
 #[inline(always)]
