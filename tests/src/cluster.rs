@@ -29,6 +29,7 @@
 //! Everything is removed on drop, also when the test panics.
 
 use std::{
+    collections::BTreeSet,
     fs,
     io::{BufRead, BufReader, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -597,22 +598,7 @@ impl Drop for Cluster {
                 node.bpffs.display()
             ));
             let _ = fs::remove_dir_all(&node.bpffs);
-            // Clients a failed test left in the cgroup must go before rmdir.
-            if let Ok(procs) = fs::read_to_string(node.cgroup.join("cgroup.procs")) {
-                for pid in procs
-                    .split_whitespace()
-                    .filter_map(|p| p.parse::<i32>().ok())
-                {
-                    // SAFETY: signalling a process the test put in its own cgroup.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-            }
-            for _ in 0..100 {
-                if fs::remove_dir(&node.cgroup).is_ok() || !node.cgroup.exists() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            crate::world::remove_cgroup(&node.cgroup);
         }
         for p in &self.pods {
             sh_quiet(&format!("ip netns del {}", p.netns));
@@ -760,4 +746,28 @@ impl Drop for Session {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The address the backend saw (second word of a `ferry-testsrv` `whoami` reply).
+pub fn seen(o: &Outcome) -> Option<IpAddr> {
+    let who = o.reply.as_deref()?.split_whitespace().nth(1)?;
+    who.parse::<std::net::SocketAddr>().ok().map(|a| a.ip())
+}
+
+/// Every client address the backends saw (`none` for an attempt without reply).
+pub fn seen_set(outs: &[Outcome]) -> BTreeSet<String> {
+    outs.iter()
+        .map(|o| seen(o).map_or("none".into(), |a| a.to_string()))
+        .collect()
+}
+
+/// Asserts that every attempt got its reply.
+pub fn all_ok(outs: &[Outcome], what: &str) {
+    let bad: Vec<&Outcome> = outs.iter().filter(|o| !o.ok).collect();
+    assert!(
+        bad.is_empty(),
+        "{what}: {} of {} attempts failed: {bad:?}",
+        bad.len(),
+        outs.len()
+    );
 }

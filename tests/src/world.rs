@@ -493,22 +493,7 @@ impl Drop for World {
             bin("ferry").display(),
             self.bpffs.display()
         ));
-        // Processes left in the cgroup (a failed test's client) must go before rmdir.
-        if let Ok(procs) = fs::read_to_string(self.cgroup.join("cgroup.procs")) {
-            for pid in procs
-                .split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-            {
-                // SAFETY: signalling a process the test put in its own cgroup.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
-        for _ in 0..100 {
-            if fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        remove_cgroup(&self.cgroup);
         for p in &self.pods {
             sh_quiet(&format!("ip netns del {}", p.netns));
         }
@@ -698,5 +683,25 @@ impl World {
             extra,
             &[],
         );
+    }
+}
+
+/// Removes a test's cgroup: processes a failed test left in it (clients) are killed
+/// first, since rmdir needs it empty; their exit is waited for with a deadline.
+pub fn remove_cgroup(cgroup: &Path) {
+    if let Ok(procs) = fs::read_to_string(cgroup.join("cgroup.procs")) {
+        for pid in procs
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            // SAFETY: signalling a process the test put in its own cgroup.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+    for _ in 0..100 {
+        if fs::remove_dir(cgroup).is_ok() || !cgroup.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

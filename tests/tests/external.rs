@@ -6,7 +6,6 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
     time::{Duration, Instant},
 };
 
@@ -55,28 +54,6 @@ fn svc_doc(
             &eps_v4(c, pods),
         ),
     ])
-}
-
-/// The address the backend saw (second word of a `whoami` reply).
-fn seen(o: &Outcome) -> Option<IpAddr> {
-    let who = o.reply.as_deref()?.split_whitespace().nth(1)?;
-    who.parse::<std::net::SocketAddr>().ok().map(|a| a.ip())
-}
-
-fn seen_set(outs: &[Outcome]) -> BTreeSet<String> {
-    outs.iter()
-        .map(|o| seen(o).map_or("none".into(), |a| a.to_string()))
-        .collect()
-}
-
-fn all_ok(outs: &[Outcome], what: &str) {
-    let bad: Vec<&Outcome> = outs.iter().filter(|o| !o.ok).collect();
-    assert!(
-        bad.is_empty(),
-        "{what}: {} of {} attempts failed: {bad:?}",
-        bad.len(),
-        outs.len()
-    );
 }
 
 /// An error that is a timeout (the packets were dropped), not a refusal or reset.

@@ -42,28 +42,6 @@ fn dual_doc(c: &Cluster, name: &str, n: u8, extra: &str, pods: &[&str]) -> Strin
     ])
 }
 
-fn seen_set(outs: &[Outcome]) -> BTreeSet<String> {
-    outs.iter()
-        .map(|o| {
-            o.reply
-                .as_deref()
-                .and_then(|r| r.split_whitespace().nth(1))
-                .and_then(|w| w.parse::<std::net::SocketAddr>().ok())
-                .map_or("none".into(), |a| a.ip().to_string())
-        })
-        .collect()
-}
-
-fn all_ok(outs: &[Outcome], what: &str) {
-    let bad: Vec<&Outcome> = outs.iter().filter(|o| !o.ok).collect();
-    assert!(
-        bad.is_empty(),
-        "{what}: {} of {} attempts failed: {bad:?}",
-        bad.len(),
-        outs.len()
-    );
-}
-
 fn v6(ip: impl Into<IpAddr>) -> IpAddr {
     ip.into()
 }
