@@ -299,15 +299,12 @@ impl Cluster {
         &self.clients[i - 1]
     }
 
-    /// Writes a manifest file atomically (the agents never read half a file).
     pub fn write_manifest(&self, file: &str, content: &str) {
-        let tmp = self.manifests.join(format!(".{file}.tmp"));
-        fs::write(&tmp, content).expect("write manifest");
-        fs::rename(&tmp, self.manifests.join(file)).expect("rename manifest");
+        crate::world::write_manifest(&self.manifests, file, content);
     }
 
     pub fn remove_manifest(&self, file: &str) {
-        fs::remove_file(self.manifests.join(file)).expect("remove manifest");
+        crate::world::remove_manifest(&self.manifests, file);
     }
 
     /// Starts every node's agent (with `extra` flags) and waits until each is ready.

@@ -302,15 +302,12 @@ impl World {
             .unwrap_or_else(|| panic!("no pod {name}"))
     }
 
-    /// Writes a manifest file (atomically, so the agent never reads half a file).
     pub fn write_manifest(&self, file: &str, content: &str) {
-        let tmp = self.manifests.join(format!(".{file}.tmp"));
-        fs::write(&tmp, content).expect("write manifest");
-        fs::rename(&tmp, self.manifests.join(file)).expect("rename manifest");
+        write_manifest(&self.manifests, file, content);
     }
 
     pub fn remove_manifest(&self, file: &str) {
-        fs::remove_file(self.manifests.join(file)).expect("remove manifest");
+        remove_manifest(&self.manifests, file);
     }
 
     /// Starts the agent in the node namespace and waits until `/healthz` answers 200.
@@ -704,4 +701,15 @@ pub fn remove_cgroup(cgroup: &Path) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Writes a manifest file atomically (an agent never reads half a file).
+pub fn write_manifest(dir: &Path, file: &str, content: &str) {
+    let tmp = dir.join(format!(".{file}.tmp"));
+    fs::write(&tmp, content).expect("write manifest");
+    fs::rename(&tmp, dir.join(file)).expect("rename manifest");
+}
+
+pub fn remove_manifest(dir: &Path, file: &str) {
+    fs::remove_file(dir.join(file)).expect("remove manifest");
 }
