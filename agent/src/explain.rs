@@ -11,7 +11,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr, str::FromStr};
 
-use ferry_common::ext::{MAGLEV_TABLE_SIZE, flow_hash};
+use ferry_common::ext::{ClientAffinityKey, MAGLEV_TABLE_SIZE, flow_hash};
 use ferry_common::lb::{
     AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, BACKEND_F_LOCAL,
     BACKEND_F_TERMINATING, MemberKey, PROTO_TCP, PROTO_UDP, SCOPE_LOCAL_ORIGIN, SVC_F_AFFINITY,
@@ -96,6 +96,8 @@ pub struct Client {
 pub struct Live<'a> {
     pub content: &'a MapContent,
     pub affinity: &'a [(AffinityKey, AffinityValue)],
+    /// The tc path's ClientIP pins (client address, service id).
+    pub tc_affinity: &'a [(ClientAffinityKey, AffinityValue)],
     /// Translated connects and datagrams per service id.
     pub connections: &'a BTreeMap<u32, u64>,
     /// `CLOCK_MONOTONIC` now, in ns (the clock of `bpf_ktime_get_ns`).
@@ -152,6 +154,10 @@ pub struct TcExplanation {
     pub source_nat: String,
     /// `--from` and `--from-port`: the backend the Maglev table picks for that flow.
     pub maglev_pick: Option<String>,
+    /// `--from`: the backend the client is pinned to by ClientIP affinity, when the pin
+    /// would be used (it then wins over the Maglev pick).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_pin: Option<String>,
     pub maglev_table: bool,
 }
 
@@ -181,7 +187,12 @@ pub struct AffinityExplanation {
 
 #[derive(Debug, Serialize)]
 pub struct AffinityEntry {
-    pub client_netns_cookie: u64,
+    /// Socket hooks: the client's network namespace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_netns_cookie: Option<u64>,
+    /// tc path: the client's address as the node sees it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_address: Option<String>,
     pub backend: String,
     pub age_s: u64,
     /// A new connection from that client would reuse the backend.
@@ -273,7 +284,8 @@ fn frontend(
     let local_policy = v.flags & SVC_F_LOCAL_POLICY != 0;
     let fallback = v.flags & SVC_F_TERMINATING_FALLBACK != 0;
     let external = k.scope != SCOPE_LOCAL_ORIGIN;
-    let tc = external.then(|| tc_path(live, k, v, client));
+    let affinity = affinity(live, k, v, client);
+    let tc = external.then(|| tc_path(live, k, v, client, &affinity));
     let (verdict, errno, why) = if external {
         external_verdict(v, tc.as_ref().expect("external"), backends.len())
     } else if v.count == 0 && v.flags & SVC_F_DROP != 0 {
@@ -363,7 +375,7 @@ fn frontend(
         topology: "not recorded in the maps: when the agent applied topology hints, the backends \
                    below are already the filtered set"
             .into(),
-        affinity: affinity(live, k, v, client),
+        affinity,
         backends,
         connections_total: live.connections.get(&v.svc_id).copied(),
         warnings,
@@ -372,7 +384,13 @@ fn frontend(
 }
 
 /// What the tc path does with a new flow from outside the node (docs/external-traffic.md).
-fn tc_path(live: &Live<'_>, k: &ServiceKey, v: &ServiceValue, client: &Client) -> TcExplanation {
+fn tc_path(
+    live: &Live<'_>,
+    k: &ServiceKey,
+    v: &ServiceValue,
+    client: &Client,
+    affinity: &AffinityExplanation,
+) -> TcExplanation {
     let c = live.content;
     let ranges = crate::list::source_ranges(live.external, v.svc_id);
     let source_range = (v.flags & SVC_F_SOURCE_RANGES != 0).then(|| match client.from {
@@ -423,6 +441,14 @@ fn tc_path(live: &Live<'_>, k: &ServiceKey, v: &ServiceValue, client: &Client) -
         source_nat,
         maglev_pick,
         maglev_table: table.is_some(),
+        affinity_pin: client.from.and_then(|ip| {
+            let ip = ip.to_string();
+            affinity
+                .entries
+                .iter()
+                .find(|e| e.used && e.client_address.as_deref() == Some(ip.as_str()))
+                .map(|e| e.backend.clone())
+        }),
     }
 }
 
@@ -456,9 +482,10 @@ fn external_verdict(
                 .into(),
         );
     }
-    let how = match &tc.maglev_pick {
-        Some(pick) => format!("this flow goes to {pick}"),
-        None => "give --from and --from-port to see which".into(),
+    let how = match (&tc.affinity_pin, &tc.maglev_pick) {
+        (Some(pin), _) => format!("this client is pinned to {pin} by ClientIP affinity"),
+        (None, Some(pick)) => format!("this flow goes to {pick}"),
+        (None, None) => "give --from and --from-port to see which".into(),
     };
     (
         "translated",
@@ -500,37 +527,103 @@ fn entry_fits(
     Ok(())
 }
 
+/// One affinity entry as `ferry explain` shows it: its backend, age, and whether the
+/// programs would use it for frontend `v`.
+fn affinity_entry(live: &Live<'_>, v: &ServiceValue, av: &AffinityValue) -> AffinityEntry {
+    let c = live.content;
+    let age_ns = live.now_ns.saturating_sub(av.last_used_ns);
+    let fits = if v.count == 0 {
+        Err("the frontend has no backends".to_string())
+    } else {
+        entry_fits(c, v, av, age_ns)
+    };
+    AffinityEntry {
+        client_netns_cookie: None,
+        client_address: None,
+        backend: c
+            .backends
+            .get(&av.backend_id)
+            .map(|b| fmt_endpoint(&b.addr, u16::from_be(b.port)))
+            .unwrap_or_else(|| format!("backend {} (gone)", av.backend_id)),
+        age_s: age_ns / 1_000_000_000,
+        used: fits.is_ok(),
+        why_not: fits.err(),
+        this_namespace: false,
+    }
+}
+
+/// ClientIP affinity of an external-origin frontend: the tc path's pins, keyed by the
+/// client's address.
+fn tc_affinity(live: &Live<'_>, v: &ServiceValue, client: &Client) -> AffinityExplanation {
+    let on = v.flags & SVC_F_AFFINITY != 0;
+    let mut entries: Vec<AffinityEntry> = live
+        .tc_affinity
+        .iter()
+        .filter(|(ak, _)| on && ak.svc_id == v.svc_id)
+        .map(|(ak, av)| AffinityEntry {
+            client_address: Some(ip_of(&ak.client).to_string()),
+            ..affinity_entry(live, v, av)
+        })
+        .collect();
+    entries.sort_by(|a, b| (a.age_s, &a.client_address).cmp(&(b.age_s, &b.client_address)));
+    let client_note = client.from.map(|ip| {
+        if !on {
+            return format!(
+                "--from {ip}: this Service has no session affinity: every new flow from outside is \
+                 placed by the Maglev table"
+            );
+        }
+        let ip_text = ip.to_string();
+        match entries
+            .iter()
+            .find(|e| e.client_address.as_deref() == Some(ip_text.as_str()))
+        {
+            Some(e) if e.used => format!(
+                "--from {ip} is pinned to {} (entry {}s old): its next new flow goes there",
+                e.backend, e.age_s
+            ),
+            Some(e) => format!(
+                "--from {ip}: its pin points at {} but is not used ({}); its next new flow is \
+                 placed by the Maglev table and pinned again",
+                e.backend,
+                e.why_not.as_deref().unwrap_or("-")
+            ),
+            None => format!(
+                "--from {ip} has no pin: its next new flow is placed by the Maglev table and the \
+                 client is then pinned to that backend"
+            ),
+        }
+    });
+    AffinityExplanation {
+        mode: if on { "ClientIP" } else { "None" },
+        timeout_s: on.then_some(v.affinity_timeout_s),
+        keyed_by: on.then_some(
+            "client address as this node sees it (before source NAT), per ServicePort (tc path)",
+        ),
+        entries,
+        udp_sticky_sockets: 0,
+        client: client_note,
+    }
+}
+
 fn affinity(
     live: &Live<'_>,
     k: &ServiceKey,
     v: &ServiceValue,
     client: &Client,
 ) -> AffinityExplanation {
-    let c = live.content;
+    if k.scope != SCOPE_LOCAL_ORIGIN {
+        return tc_affinity(live, v, client);
+    }
     let on = v.flags & SVC_F_AFFINITY != 0;
     let mut entries: Vec<AffinityEntry> = live
         .affinity
         .iter()
         .filter(|(ak, _)| on && ak.kind == AFFINITY_KIND_CLIENT && ak.svc_id == v.svc_id)
-        .map(|(ak, av)| {
-            let age_ns = live.now_ns.saturating_sub(av.last_used_ns);
-            let fits = if v.count == 0 {
-                Err("the frontend has no backends".to_string())
-            } else {
-                entry_fits(c, v, av, age_ns)
-            };
-            AffinityEntry {
-                client_netns_cookie: ak.client,
-                backend: c
-                    .backends
-                    .get(&av.backend_id)
-                    .map(|b| fmt_endpoint(&b.addr, u16::from_be(b.port)))
-                    .unwrap_or_else(|| format!("backend {} (gone)", av.backend_id)),
-                age_s: age_ns / 1_000_000_000,
-                used: fits.is_ok(),
-                why_not: fits.err(),
-                this_namespace: client.own_netns == Some(ak.client),
-            }
+        .map(|(ak, av)| AffinityEntry {
+            client_netns_cookie: Some(ak.client),
+            this_namespace: client.own_netns == Some(ak.client),
+            ..affinity_entry(live, v, av)
         })
         .collect();
     entries.sort_by_key(|e| (e.age_s, e.client_netns_cookie));
@@ -555,7 +648,10 @@ fn affinity(
         }
         let own = client.own_netns.filter(|_| client.from_is_here);
         match own {
-            Some(cookie) => match entries.iter().find(|e| e.client_netns_cookie == cookie) {
+            Some(cookie) => match entries
+                .iter()
+                .find(|e| e.client_netns_cookie == Some(cookie))
+            {
                 Some(e) if e.used => format!(
                     "--from {ip} is an address of this network namespace (cookie {cookie}): its next \
                      connection goes to {} (entry {}s old)",
@@ -657,10 +753,15 @@ pub fn text(e: &Explanation) -> String {
                         None => "used".to_string(),
                         Some(w) => format!("not used: {w}"),
                     };
+                    let who = match (&en.client_address, en.client_netns_cookie) {
+                        (Some(a), _) => format!("client {a:<27}"),
+                        (None, cookie) => {
+                            format!("client netns cookie {:<12}", cookie.unwrap_or(0))
+                        }
+                    };
                     let _ = writeln!(
                         s,
-                        "    client netns cookie {:<12} -> {:<24} {:>6}s ago  {state}{}",
-                        en.client_netns_cookie,
+                        "    {who} -> {:<24} {:>6}s ago  {state}{}",
                         en.backend,
                         en.age_s,
                         if en.this_namespace {
@@ -853,6 +954,7 @@ mod tests {
         let live = Live {
             content: c,
             affinity,
+            tc_affinity: &[],
             connections: &conns,
             now_ns: 10_000 * S,
             external: &ExternalContent::default(),
@@ -1146,6 +1248,129 @@ mod tests {
         );
     }
 
+    /// ClientIP affinity of an external-origin frontend: the tc pins keyed by client
+    /// address, which one `--from` uses (it wins over the Maglev pick), and the rules
+    /// that make a pin unused (expired, backend gone).
+    #[test]
+    fn external_frontend_explains_tc_affinity_pins() {
+        use crate::dataplane::{
+            external::tests::{lb, tc_content},
+            plan::tests::desired,
+        };
+        let yaml = lb("Cluster", &["10.0.0.1", "10.0.0.2"], &[], "").replace(
+            "  type: LoadBalancer\n",
+            "  type: LoadBalancer\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
+        );
+        let mut p = Planner::new();
+        p.sync(&yaml);
+        let ext = tc_content(&desired(&yaml), &p.current);
+        let (key, value) = p
+            .current
+            .services
+            .iter()
+            .find(|(k, v)| {
+                k.scope != SCOPE_LOCAL_ORIGIN && k.slot == 0 && v.flags & SVC_F_NODEPORT == 0
+            })
+            .map(|(k, v)| (*k, *v))
+            .expect("external LB frontend");
+        assert_ne!(
+            value.flags & SVC_F_AFFINITY,
+            0,
+            "affinity flag on the tc frontend"
+        );
+        let b2 = backend_id(&p.current, "10.0.0.2");
+        let pin = |client: &str, age_s: u64, backend_id: u32| {
+            (
+                ClientAffinityKey {
+                    client: addr_of(&client.parse().unwrap()),
+                    svc_id: value.svc_id,
+                },
+                AffinityValue {
+                    last_used_ns: 1000 * S - age_s * S,
+                    backend_id,
+                    _pad: 0,
+                },
+            )
+        };
+        let pins = [
+            pin("203.0.113.7", 5, b2),
+            pin("203.0.113.8", 61, b2),
+            pin("203.0.113.9", 1, 999),
+        ];
+        let conns = BTreeMap::new();
+        let live = Live {
+            content: &p.current,
+            affinity: &[],
+            tc_affinity: &pins,
+            connections: &conns,
+            now_ns: 1000 * S,
+            external: &ext,
+        };
+        let q = Query {
+            addr: ip_of(&key.addr),
+            port: u16::from_be(key.port),
+            proto: PROTO_TCP,
+        };
+        let ask = |from: &str| {
+            let client = Client {
+                from: Some(from.parse().unwrap()),
+                from_port: Some(40000),
+                ..Default::default()
+            };
+            explain(&live, &q, &client)
+        };
+        let e = ask("203.0.113.7");
+        let f = e
+            .frontends
+            .iter()
+            .find(|f| f.scope == "external-origin")
+            .unwrap();
+        let a = &f.affinity;
+        assert_eq!((a.mode, a.timeout_s), ("ClientIP", Some(60)));
+        let states: Vec<(Option<&str>, bool)> = a
+            .entries
+            .iter()
+            .map(|e| (e.client_address.as_deref(), e.used))
+            .collect();
+        assert_eq!(
+            states,
+            [
+                (Some("203.0.113.9"), false),
+                (Some("203.0.113.7"), true),
+                (Some("203.0.113.8"), false),
+            ]
+        );
+        assert!(a.entries[2].why_not.as_deref().unwrap().contains("expired"));
+        assert!(
+            a.entries[0]
+                .why_not
+                .as_deref()
+                .unwrap()
+                .contains("no longer")
+        );
+        let tc = f.tc.as_ref().unwrap();
+        assert_eq!(tc.affinity_pin.as_deref(), Some("10.0.0.2:8080"));
+        assert!(f.why.contains("pinned to 10.0.0.2:8080"), "{}", f.why);
+        assert!(text(&e).contains("client 203.0.113.7"), "{}", text(&e));
+        // An expired pin: the Maglev pick decides, and the note says why.
+        let e = ask("203.0.113.8");
+        let f = e
+            .frontends
+            .iter()
+            .find(|f| f.scope == "external-origin")
+            .unwrap();
+        assert_eq!(f.tc.as_ref().unwrap().affinity_pin, None);
+        assert!(f.why.contains("this flow goes to"), "{}", f.why);
+        assert!(f.affinity.client.as_deref().unwrap().contains("not used"));
+        // The socket hooks' entries are not shown for the tc frontend and vice versa.
+        let local = e
+            .frontends
+            .iter()
+            .find(|f| f.scope == "local-origin")
+            .unwrap();
+        assert!(local.affinity.entries.is_empty());
+    }
+
     /// An external-origin LoadBalancer frontend: the source-range verdict for `--from`,
     /// source NAT by policy, and the Maglev pick for `--from-port` (the same as
     /// `flow_hash` over the table, as the tc program computes it).
@@ -1163,6 +1388,7 @@ mod tests {
         let live = Live {
             content: &p.current,
             affinity: &[],
+            tc_affinity: &[],
             connections: &conns,
             now_ns: 0,
             external: &ext,

@@ -279,6 +279,7 @@ mod tests {
             backend_missing=4
             conntrack_map_full=14
             dropped_no_local_endpoints=3
+            external_affinity_hit=15
             external_icmp_unreachable=10
             external_translated=9
             fib_lookup_failed=13

@@ -120,7 +120,8 @@ struct AgentArgs {
     /// Backend map capacity (distinct address, port, protocol).
     #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
     max_backends: u32,
-    /// Session-affinity and UDP stickiness entries (LRU).
+    /// Session-affinity and UDP stickiness entries (LRU); also the size of the tc path's
+    /// ClientIP affinity map (one entry per external client and ServicePort).
     #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
     max_affinity: u32,
     /// Socket reverse-translation entries (LRU).
@@ -356,11 +357,13 @@ fn run_explain(
     let maps = open_maps(bpffs)?;
     let content = maps.read().context("reading the pinned maps")?;
     let affinity = maps.affinity_entries();
+    let tc_affinity = maps.tc_affinity_entries();
     let connections = maps.service_connections();
     let external = maps.read_external().context("reading the pinned tc maps")?;
     let live = explain::Live {
         content: &content,
         affinity: &affinity,
+        tc_affinity: &tc_affinity,
         connections: &connections,
         now_ns: explain::sys::monotonic_ns(),
         external: &external,

@@ -55,10 +55,30 @@ pub struct SnatAddrKey {
 }
 const _: () = assert!(core::mem::size_of::<SnatAddrKey>() == 8);
 
+/// LRU hash [`ClientAffinityKey`] -> [`crate::lb::AffinityValue`]: ClientIP session
+/// affinity of traffic that arrives at tc, keyed by the client address the node sees.
+/// The socket hooks key their affinity by network namespace (`FERRY_AFFINITY`); a
+/// packet from outside the node has no namespace here, only its source address.
+pub const TC_AFFINITY_MAP: &str = "FERRY_TC_AFFINITY";
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ClientAffinityKey {
+    /// The client's address as the packet arrives (before any source NAT), network
+    /// byte order (IPv4 mapped).
+    pub client: Addr,
+    /// The ServicePort's id (`ServiceValue::svc_id`): all its external frontends share
+    /// one entry per client, as kube-proxy's per-endpoint source-address sets do.
+    pub svc_id: u32,
+}
+const _: () = assert!(core::mem::size_of::<ClientAffinityKey>() == 20);
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: repr(C), explicit padding, every bit pattern is a valid value.
     unsafe impl aya::Pod for super::MaglevTable {}
+    // SAFETY: as above (no padding: five u32 words).
+    unsafe impl aya::Pod for super::ClientAffinityKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::SourceRangeKey {}
     // SAFETY: as above.

@@ -41,8 +41,10 @@ pub const COUNT_SNAT_EXHAUSTED: u32 = 11;
 pub const COUNT_FIB_FAIL: u32 = 12;
 /// tc path: a conntrack entry could not be stored: the packet was dropped.
 pub const COUNT_CT_FULL: u32 = 13;
+/// tc path: ClientIP affinity sent a new flow to the client's pinned backend.
+pub const COUNT_EXT_AFFINITY_HIT: u32 = 14;
 
-pub const COUNTERS_LEN: u32 = 14;
+pub const COUNTERS_LEN: u32 = 15;
 
 /// Names for the metrics endpoint and `ferry list`, indexed by `COUNT_*`.
 pub const COUNTER_NAMES: [&str; COUNTERS_LEN as usize] = [
@@ -60,4 +62,5 @@ pub const COUNTER_NAMES: [&str; COUNTERS_LEN as usize] = [
     "snat_ports_exhausted",
     "fib_lookup_failed",
     "conntrack_map_full",
+    "external_affinity_hit",
 ];

@@ -167,6 +167,20 @@ fn remembered_backend(
     let entry = AFFINITY.get_ptr_mut(akey)?;
     // SAFETY: pointer from a successful lookup; LRU entries stay valid for this program run.
     let value = unsafe { &mut *entry };
+    remembered(value, svc_id, svc_flags, now, timeout_ns)
+}
+
+/// The backend of an affinity entry (`value`, from any affinity map), if the entry is
+/// fresh and its backend still fits the frontend `svc_id`/`svc_flags`; refreshes the
+/// entry then. Shared by the socket hooks and the tc path, so that both apply one rule.
+#[inline(always)]
+pub(crate) fn remembered(
+    value: &mut AffinityValue,
+    svc_id: u32,
+    svc_flags: u16,
+    now: u64,
+    timeout_ns: u64,
+) -> Option<Backend> {
     if now.wrapping_sub(value.last_used_ns) > timeout_ns {
         return None;
     }

@@ -9,7 +9,7 @@ use aya_ebpf::{
 use ferry_common::{
     Addr, Meta,
     ct::{CtEntry, CtKey},
-    ext::{MaglevTable, SnatAddrKey, SourceRangeKey},
+    ext::{ClientAffinityKey, MaglevTable, SnatAddrKey, SourceRangeKey},
     lb::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceKey, ServiceValue},
     metrics::{COUNTERS_LEN, SVC_CONNS_MAX_ENTRIES},
     sock::{RevNatKey, RevNatValue},
@@ -73,6 +73,13 @@ pub(crate) fn count_service(svc_id: u32) {
 #[map(name = "FERRY_CT")]
 pub(crate) static CT: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(262144, 0);
 
+/// ClientIP affinity of the tc path (`TC_AFFINITY_MAP`): client address and ServicePort
+/// to the backend it is pinned to. LRU: a full table forgets the least recently used
+/// clients instead of refusing new ones.
+#[map(name = "FERRY_TC_AFFINITY")]
+pub(crate) static TC_AFFINITY: LruHashMap<ClientAffinityKey, AffinityValue> =
+    LruHashMap::with_max_entries(65536, 0);
+
 /// Maglev tables per service id (`MAGLEV_MAP`). Values are 4 KiB: not preallocated, so
 /// memory follows the ServicePorts that have external frontends.
 #[map(name = "FERRY_MAGLEV")]
@@ -102,6 +109,9 @@ pub(crate) struct Scratch {
     pub(crate) rkey: CtKey,
     pub(crate) entry: CtEntry,
     pub(crate) reply: CtEntry,
+    /// ClientIP affinity lookup key and the entry a new pin writes (tc path).
+    pub(crate) akey: ClientAffinityKey,
+    pub(crate) aval: AffinityValue,
     pub(crate) fib: bpf_fib_lookup,
     /// What `fib` holds for the packet in flight: `ROUTE_*` (tc module).
     pub(crate) route: u32,

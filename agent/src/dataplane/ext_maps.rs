@@ -1,5 +1,5 @@
 //! Reading and writing the tc path's maps: Maglev tables, source ranges, SNAT addresses,
-//! and the conntrack map's fill (for `/metrics`).
+//! and the conntrack and ClientIP affinity maps' fill (for `/metrics`).
 //!
 //! Each map is optional: an eBPF object built before the tc path has none of them, and
 //! an agent without `--devices` must keep working with it.
@@ -14,8 +14,10 @@ use ferry_common::{
     Addr,
     ct::{CT_MAP, CtEntry, CtKey},
     ext::{
-        MAGLEV_MAP, MaglevTable, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, SnatAddrKey, SourceRangeKey,
+        ClientAffinityKey, MAGLEV_MAP, MaglevTable, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, SnatAddrKey,
+        SourceRangeKey, TC_AFFINITY_MAP,
     },
+    lb::AffinityValue,
 };
 
 use super::external::{ExternalContent, ExternalPlan, SourceRange};
@@ -25,6 +27,8 @@ pub struct ExternalMaps {
     ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     snat: HashMap<MapData, SnatAddrKey, Addr>,
     pub(crate) ct: Option<HashMap<MapData, CtKey, CtEntry>>,
+    /// Client pins of ClientIP affinity at tc (written by the programs only).
+    pub(crate) affinity: Option<HashMap<MapData, ClientAffinityKey, AffinityValue>>,
 }
 
 impl ExternalMaps {
@@ -35,11 +39,13 @@ impl ExternalMaps {
         let ranges = LpmTrie::try_from(take(SOURCE_RANGES_MAP)?).ok()?;
         let snat = HashMap::try_from(take(SNAT_ADDRS_MAP)?).ok()?;
         let ct = take(CT_MAP).and_then(|m| HashMap::try_from(m).ok());
+        let affinity = take(TC_AFFINITY_MAP).and_then(|m| HashMap::try_from(m).ok());
         Some(ExternalMaps {
             maglev,
             ranges,
             snat,
             ct,
+            affinity,
         })
     }
 
@@ -52,6 +58,8 @@ impl ExternalMaps {
             snat: HashMap::try_from(Map::HashMap(open(SNAT_ADDRS_MAP)?)).ok()?,
             ct: MapData::from_pin(ct_pin)
                 .ok()
+                .and_then(|d| HashMap::try_from(Map::LruHashMap(d)).ok()),
+            affinity: open(TC_AFFINITY_MAP)
                 .and_then(|d| HashMap::try_from(Map::LruHashMap(d)).ok()),
         })
     }
@@ -126,6 +134,14 @@ impl ExternalMaps {
             }
         }
         Ok(writes)
+    }
+
+    /// The tc path's client pins (`ferry explain`); empty when the map is absent.
+    pub fn affinity_entries(&self) -> Vec<(ClientAffinityKey, AffinityValue)> {
+        self.affinity
+            .as_ref()
+            .map(|m| m.iter().filter_map(Result::ok).collect())
+            .unwrap_or_default()
     }
 
     pub fn snat_entries(&self) -> Vec<(SnatAddrKey, Addr)> {

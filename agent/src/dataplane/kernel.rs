@@ -14,6 +14,7 @@ use aya::{
 };
 use ferry_common::{
     ct::{CT_MAP, CtEntry, CtKey},
+    ext::{ClientAffinityKey, TC_AFFINITY_MAP},
     lb::{
         AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, Backend, MEMBERS_MAP, MemberKey,
         SERVICES_MAP, ServiceKey, ServiceValue,
@@ -364,6 +365,14 @@ impl KernelMaps {
         m.iter().take(cap).filter_map(Result::ok).collect()
     }
 
+    /// The tc path's ClientIP pins (empty without the tc maps).
+    pub fn tc_affinity_entries(&self) -> Vec<(ClientAffinityKey, AffinityValue)> {
+        self.external
+            .as_ref()
+            .map(|e| e.affinity_entries())
+            .unwrap_or_default()
+    }
+
     /// Translated connects and datagrams per service id, summed over CPUs.
     pub fn service_connections(&self) -> BTreeMap<u32, u64> {
         self.observed
@@ -411,6 +420,11 @@ impl KernelMaps {
                 HashMap::try_from(Map::LruHashMap(dup(ct.map())?))
                     .map_err(std::io::Error::other)?;
             fill.push((CT_MAP, hash_fill(ct)));
+        }
+        if let Some(a) = self.external.as_ref().and_then(|e| e.affinity.as_ref()) {
+            let a: HashMap<MapData, ClientAffinityKey, AffinityValue> =
+                HashMap::try_from(Map::LruHashMap(dup(a.map())?)).map_err(std::io::Error::other)?;
+            fill.push((TC_AFFINITY_MAP, hash_fill(a)));
         }
         let svc_conns = match &self.observed.svc_conns {
             Some(c) => {

@@ -18,7 +18,7 @@ use aya::{
 use ferry_common::{
     LAYOUT_VERSION, META_MAP, Meta,
     ct::{CT_MAP, CtEntry, CtKey},
-    ext::{MAGLEV_MAP, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP},
+    ext::{ClientAffinityKey, MAGLEV_MAP, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, TC_AFFINITY_MAP},
     lb::{AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, MEMBERS_MAP, SERVICES_MAP},
     metrics::COUNTERS_MAP,
     sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP},
@@ -44,7 +44,7 @@ pub const PROGRAMS: [&str; 8] = [
 
 /// Maps pinned per layout, in `<bpffs>/v<N>/`. Conntrack is not among them: it is
 /// pinned in `<bpffs>` itself ([`ct_pin`]), so flows survive restarts and migrations.
-pub const ALL_MAPS: [&str; 11] = [
+pub const ALL_MAPS: [&str; 12] = [
     META_MAP,
     SERVICES_MAP,
     BACKENDS_MAP,
@@ -56,6 +56,7 @@ pub const ALL_MAPS: [&str; 11] = [
     MAGLEV_MAP,
     SOURCE_RANGES_MAP,
     SNAT_ADDRS_MAP,
+    TC_AFFINITY_MAP,
 ];
 
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -343,7 +344,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
     let migrate_from = other_layouts(&opts.bpffs, version);
     let capacity = effective_capacity(opts, &dir);
 
-    // Socket state (reverse NAT, affinity) is taken over as the very same map objects
+    // Socket state (reverse NAT, affinity, the tc path's client pins) is taken over as the very same map objects
     // when their entries did not change shape: old and new programs then read and write
     // one map, and no connection made during the swap loses its entry.
     let shared = shared_socket_maps(&dir, &migrate_from);
@@ -368,6 +369,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         // A service's members are at most its backend slots.
         .map_max_entries(MEMBERS_MAP, opts.capacity.services * HEADROOM)
         .map_max_entries(AFFINITY_MAP, opts.affinity_entries)
+        .map_max_entries(TC_AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries)
         // One counter per ServicePort with traffic: at most one per frontend entry.
         .map_max_entries(
@@ -498,6 +500,11 @@ fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str,
             std::mem::size_of::<AffinityKey>(),
             std::mem::size_of::<AffinityValue>(),
         ),
+        (
+            TC_AFFINITY_MAP,
+            std::mem::size_of::<ClientAffinityKey>(),
+            std::mem::size_of::<AffinityValue>(),
+        ),
     ];
     let mut out = Vec::new();
     for (name, k, v) in sizes {
@@ -523,7 +530,7 @@ fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str,
 /// best effort: a socket that loses its entry only sees the backend's address in
 /// `getpeername`/`recvmsg`, its traffic is unaffected.
 fn copy_socket_state(from: &Path, to: &Path) {
-    for name in [SOCK_REVNAT_MAP, AFFINITY_MAP] {
+    for name in [SOCK_REVNAT_MAP, AFFINITY_MAP, TC_AFFINITY_MAP] {
         let (Ok(src), Ok(dst)) = (
             MapData::from_pin(from.join(name)),
             MapData::from_pin(to.join(name)),
@@ -545,6 +552,7 @@ fn copy_socket_state(from: &Path, to: &Path) {
         }
         let copied = match name {
             SOCK_REVNAT_MAP => copy_entries::<RevNatKey, RevNatValue>(src, dst),
+            TC_AFFINITY_MAP => copy_entries::<ClientAffinityKey, AffinityValue>(src, dst),
             _ => copy_entries::<AffinityKey, AffinityValue>(src, dst),
         };
         info!(

@@ -24,20 +24,26 @@ use ferry_common::{
         CT_DIR_ORIGINAL, CT_DIR_REPLY, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, SNAT_PORT_MAX,
         SNAT_PORT_MIN,
     },
-    ext::{FAMILY_V4, FAMILY_V6, MAGLEV_TABLE_SIZE, SnatAddrKey, SourceRangeKey, flow_hash},
+    ext::{
+        ClientAffinityKey, FAMILY_V4, FAMILY_V6, MAGLEV_TABLE_SIZE, SnatAddrKey, SourceRangeKey,
+        flow_hash,
+    },
     lb::{
-        BACKEND_F_LOCAL, MemberKey, PROTO_TCP, SCOPE_EXTERNAL_ORIGIN, SVC_F_DROP,
-        SVC_F_LOCAL_POLICY, SVC_F_SOURCE_RANGES, ServiceKey,
+        AffinityValue, BACKEND_F_LOCAL, Backend, MemberKey, PROTO_TCP, SCOPE_EXTERNAL_ORIGIN,
+        SVC_F_AFFINITY, SVC_F_DROP, SVC_F_LOCAL_POLICY, SVC_F_SOURCE_RANGES, ServiceKey,
+        ServiceValue,
     },
     metrics::{
-        COUNT_BACKEND_MISSING, COUNT_CT_FULL, COUNT_DROP_NO_LOCAL, COUNT_EXT_ICMP_UNREACH,
-        COUNT_EXT_XLATE, COUNT_FIB_FAIL, COUNT_SNAT_EXHAUSTED, COUNT_SOURCE_RANGE_DROP,
+        COUNT_AFFINITY_FULL, COUNT_BACKEND_MISSING, COUNT_CT_FULL, COUNT_DROP_NO_LOCAL,
+        COUNT_EXT_AFFINITY_HIT, COUNT_EXT_ICMP_UNREACH, COUNT_EXT_XLATE, COUNT_FIB_FAIL,
+        COUNT_SNAT_EXHAUSTED, COUNT_SOURCE_RANGE_DROP,
     },
 };
 
+use crate::lb::remembered;
 use crate::maps::{
-    BACKENDS, CT, MAGLEV, MEMBERS, SCRATCH, SERVICES, SNAT_ADDRS, SRC_RANGES, Scratch, count,
-    count_service,
+    BACKENDS, CT, MAGLEV, MEMBERS, SCRATCH, SERVICES, SNAT_ADDRS, SRC_RANGES, Scratch, TC_AFFINITY,
+    count, count_service,
 };
 use ct::{fresh, touch};
 use nat::{Side, rewrite};
@@ -302,34 +308,38 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
         return REFUSE;
     }
 
-    // Maglev: the entry depends on the packet only.
     let hash = flow_hash(&pkt.saddr, &pkt.daddr, pkt.sport, pkt.dport, pkt.proto);
-    // SAFETY: plain data read.
-    let Some(table) = (unsafe { MAGLEV.get(&svc.svc_id) }) else {
-        count(COUNT_BACKEND_MISSING);
-        warn!(
-            ctx,
-            "ferry tc: service id {} has no Maglev table", svc.svc_id
-        );
-        return OK;
+    // ClientIP affinity: the client's pinned backend, else Maglev's choice, pinned.
+    let affinity = svc.flags & SVC_F_AFFINITY != 0;
+    let pinned = if affinity {
+        s.akey = ClientAffinityKey {
+            client: pkt.saddr,
+            svc_id: svc.svc_id,
+        };
+        pinned_backend(s, &svc, now)
+    } else {
+        None
     };
-    // The compiler turns `%` into a multiply the verifier cannot bound: hide the value's
-    // range from the compiler so that the bounds check stays in for the verifier.
-    // SAFETY: reads a local.
-    let slot = unsafe { core::ptr::read_volatile(&(hash % MAGLEV_TABLE_SIZE as u32)) } as usize;
-    let Some(&backend_id) = table.backend_ids.get(slot) else {
-        return OK;
-    };
-    // SAFETY: plain data read; the copy is taken at once.
-    let backend = match unsafe { BACKENDS.get(&backend_id) } {
-        Some(b) => *b,
+    let (backend_id, backend) = match pinned {
+        Some(b) => {
+            count(COUNT_EXT_AFFINITY_HIT);
+            b
+        }
         None => {
-            count(COUNT_BACKEND_MISSING);
-            warn!(
-                ctx,
-                "ferry tc: service id {} backend {} missing", svc.svc_id, backend_id
-            );
-            return OK;
+            let Some((backend_id, backend)) = maglev_backend(ctx, &svc, hash) else {
+                return OK;
+            };
+            if affinity {
+                s.aval = AffinityValue {
+                    last_used_ns: now,
+                    backend_id,
+                    _pad: 0,
+                };
+                if TC_AFFINITY.insert(&s.akey, &s.aval, 0).is_err() {
+                    count(COUNT_AFFINITY_FULL);
+                }
+            }
+            (backend_id, backend)
         }
     };
     if addr_is_v4(&backend.addr) == pkt.v6 {
@@ -420,6 +430,51 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     count(COUNT_EXT_XLATE);
     count_service(svc.svc_id);
     FORWARD
+}
+
+/// The backend `s.akey`'s client is pinned to, with its id, if the pin is fresh and the
+/// backend still fits the frontend (refreshing the pin: the timeout counts from the
+/// client's last new flow, as kube-proxy's `recent`/affinity sets do).
+#[inline(always)]
+fn pinned_backend(s: &mut Scratch, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+    let ptr = TC_AFFINITY.get_ptr_mut(&s.akey)?;
+    // SAFETY: pointer from a successful lookup; LRU entries stay valid for this program run.
+    let value = unsafe { &mut *ptr };
+    let timeout_ns = svc.affinity_timeout_s as u64 * 1_000_000_000;
+    let backend = remembered(value, svc.svc_id, svc.flags, now, timeout_ns)?;
+    Some((value.backend_id, backend))
+}
+
+/// Maglev's backend for a flow hash: the entry depends on the packet only, so every
+/// node and agent generation picks the same one.
+#[inline(always)]
+fn maglev_backend(ctx: &TcContext, svc: &ServiceValue, hash: u32) -> Option<(u32, Backend)> {
+    // SAFETY: plain data read.
+    let Some(table) = (unsafe { MAGLEV.get(&svc.svc_id) }) else {
+        count(COUNT_BACKEND_MISSING);
+        warn!(
+            ctx,
+            "ferry tc: service id {} has no Maglev table", svc.svc_id
+        );
+        return None;
+    };
+    // The compiler turns `%` into a multiply the verifier cannot bound: hide the value's
+    // range from the compiler so that the bounds check stays in for the verifier.
+    // SAFETY: reads a local.
+    let slot = unsafe { core::ptr::read_volatile(&(hash % MAGLEV_TABLE_SIZE as u32)) } as usize;
+    let &backend_id = table.backend_ids.get(slot)?;
+    // SAFETY: plain data read; the copy is taken at once.
+    match unsafe { BACKENDS.get(&backend_id) } {
+        Some(b) => Some((backend_id, *b)),
+        None => {
+            count(COUNT_BACKEND_MISSING);
+            warn!(
+                ctx,
+                "ferry tc: service id {} backend {} missing", svc.svc_id, backend_id
+            );
+            None
+        }
+    }
 }
 
 /// Reserves a source-NAT port by inserting the flow's reply entry (`s.reply`) under it
