@@ -118,6 +118,8 @@ pub struct Cluster {
     pub clients: Vec<ExtClient>,
     pub manifests: PathBuf,
     pub workdir: PathBuf,
+    /// Servers run in node namespaces ([`Cluster::serve_on_node`]), killed on drop.
+    node_servers: Vec<Child>,
 }
 
 const HEALTH_PORT: u16 = 10256;
@@ -155,6 +157,7 @@ impl Cluster {
             manifests: workdir.join("manifests"),
             workdir,
             id,
+            node_servers: Vec::new(),
         };
         // From here on, a panic drops `c`, which removes what was made so far.
         sh(&format!("ip netns add {}", c.lan_ns));
@@ -280,6 +283,31 @@ impl Cluster {
             .expect("testsrv ready line");
         self.pods.last_mut().unwrap().server = Some(child);
         assert_eq!(line.trim(), "ready", "test server in {netns} did not start");
+    }
+
+    /// Runs `ferry-testsrv NAME PORT...` in node `n`'s own namespace, outside any agent
+    /// cgroup: a hostNetwork endpoint, answering on the node's addresses with `name`.
+    /// Stopped when the cluster is dropped.
+    pub fn serve_on_node(&mut self, n: usize, name: &str, ports: &[u16]) {
+        let netns = self.node(n).netns.clone();
+        let mut cmd = Command::new(bin("ferry-testsrv"));
+        cmd.arg(name)
+            .args(ports.iter().map(|p| p.to_string()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = spawn_in(&netns, None, &mut cmd);
+        let stdout = child.stdout.take().unwrap();
+        // Register before waiting, so that a failure below still stops it.
+        self.node_servers.push(child);
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("testsrv ready line");
+        assert_eq!(
+            line.trim(),
+            "ready",
+            "test server {name} in node{n}'s namespace {netns} did not start"
+        );
     }
 
     /// Node `n` (from 1).
@@ -587,6 +615,10 @@ impl Drop for Cluster {
                 let _ = s.kill();
                 let _ = s.wait();
             }
+        }
+        for mut s in self.node_servers.drain(..) {
+            let _ = s.kill();
+            let _ = s.wait();
         }
         for node in &self.nodes {
             sh_quiet(&format!(
