@@ -763,6 +763,9 @@ fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced:
                 .endpoint_changes_total += 1;
         }
         SourceEvent::Node(_) => {}
+        SourceEvent::Unreadable(count) => {
+            syncer.status.lock().expect("status lock").source_errors = *count;
+        }
     }
     let node_event = matches!(ev, SourceEvent::Node(_));
     syncer.engine.store.apply(ev, dirty);

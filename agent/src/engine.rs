@@ -89,7 +89,7 @@ impl Store {
                 }
                 self.node = node;
             }
-            SourceEvent::Synced | SourceEvent::Connected(_) => {}
+            SourceEvent::Synced | SourceEvent::Connected(_) | SourceEvent::Unreadable(_) => {}
         }
     }
 

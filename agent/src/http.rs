@@ -253,7 +253,7 @@ fn metrics(s: &Status) -> String {
     );
     m.gauge(
         "ferry_source_errors",
-        "Manifest files that failed to parse in the last scan.",
+        "Manifest files that failed to parse in the last scan, or watched API objects that cannot be read now.",
         s.source_errors as f64,
     );
     m.counter(

@@ -12,7 +12,7 @@ use std::{
     collections::BTreeSet,
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU32, Ordering},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -946,4 +946,154 @@ fn a_change_to_one_service_leaves_the_others_alone() {
     }
     wait_backends(&c.w, &addr(API_VIP), &["pod1", "pod2", "pod3"]);
     wait_backends(&c.w, &format!("{API_VIP}:81"), &["pod1", "pod2", "pod3"]);
+}
+
+/// `service` with what k8s-openapi's typed model rejects outside the fields ferry reads:
+/// `status.conditions[].lastTransitionTime: null` (upstream's "service status
+/// lifecycle" e2e creates one), a null port error in the load balancer status, nulls in
+/// lists, fields no version knows yet. `message` makes each version differ.
+fn odd_service(name: &str, vip: &str, message: &str) -> Value {
+    let mut s = service(name, vip, json!({}));
+    s["spec"]["ipFamilies"] = json!([null]);
+    s["spec"]["futureField"] = json!({"x": null});
+    s["status"] = json!({
+        "conditions": [{"type": "StatusUpdate", "status": "True", "reason": "E2E",
+                        "message": message, "lastTransitionTime": null}],
+        "loadBalancer": {"ingress": [{"ip": "203.0.113.7",
+            "ports": [{"port": 80, "protocol": "TCP", "error": null}]}]},
+    });
+    s
+}
+
+/// A Service ferry cannot read at all: `spec.ports` is not a list.
+fn broken_service(name: &str, vip: &str, ports: &str) -> Value {
+    let mut s = service(name, vip, json!({}));
+    s["spec"]["ports"] = ports.into();
+    s
+}
+
+/// Whether the odd Service has been changed since it was created.
+fn churn_started(api: &FakeApi) -> bool {
+    api.get(Kind::Service, "default", "odd")
+        .is_some_and(|s| s["status"]["conditions"][0]["message"] != "0")
+}
+
+/// Waits until `ferry_source_errors` is `want`.
+fn wait_source_errors(w: &World, want: f64) {
+    eventually(&format!("ferry_source_errors {want}"), WAIT, || {
+        let seen = sample(&w.metrics(), "ferry_source_errors");
+        if seen == want {
+            Ok(())
+        } else {
+            Err(format!("ferry_source_errors is {seen}"))
+        }
+    });
+}
+
+/// With an odd Service (the typed model rejects fields ferry never reads) and an
+/// unreadable one both being modified over and over, traffic to the others never stops,
+/// a change to another Service is applied at once, nothing is relisted, and the
+/// unreadable one is reported by name and counted in `ferry_source_errors`.
+#[test]
+fn odd_services_never_interrupt_the_watch() {
+    const ODD_VIP: &str = "10.96.0.13";
+    const BROKEN_VIP: &str = "10.96.0.14";
+    let mut c = Cluster::new("kube-odd", 3, &[8080]);
+    let all = c.ips(&["pod1", "pod2", "pod3"]);
+    c.api.apply(node("zone-a", json!({}), json!({})));
+    c.api.apply(service("web", WEB_VIP, json!({})));
+    c.api.apply(slice("web", "web-1", ready(&all)));
+    c.api.apply(odd_service("odd", ODD_VIP, "0"));
+    c.api.apply(slice("odd", "odd-1", ready(&c.ips(&["pod1"]))));
+    c.api.apply(broken_service("broken", BROKEN_VIP, "80"));
+    c.api.apply(slice("broken", "broken-1", ready(&all)));
+    c.start();
+    wait_backends(&c.w, &addr(WEB_VIP), &["pod1", "pod2", "pod3"]);
+    wait_backends(&c.w, &addr(ODD_VIP), &["pod1"]);
+    assert!(
+        !has_frontend(&c.w, BROKEN_VIP),
+        "the unreadable Service is skipped"
+    );
+    let lists = Kind::ALL.map(|k| c.api.list_count(k));
+    let watches_failed = |c: &Cluster| c.w.agent_log().matches("watch failed").count();
+    let failed_before = watches_failed(&c);
+
+    let traffic = Traffic::start(&c.w, &addr(WEB_VIP));
+    // Both are modified over and over (as a status controller would) while other
+    // changes are made and checked.
+    let stop = AtomicBool::new(false);
+    let changes = AtomicU32::new(0);
+    let (applied, churned) = std::thread::scope(|scope| {
+        let churn = scope.spawn(|| {
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                changes.store(i, Ordering::Relaxed);
+                c.api.apply(odd_service("odd", ODD_VIP, &i.to_string()));
+                c.api
+                    .apply(broken_service("broken", BROKEN_VIP, &format!("80-{i}")));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            i
+        });
+        // Let the churn get going before the change that must get through it.
+        eventually("the churn started", WAIT, || {
+            churn_started(&c.api)
+                .then_some(())
+                .ok_or_else(|| "no odd Service change yet".to_string())
+        });
+        let since = Instant::now();
+        c.api.apply(service("api", API_VIP, json!({})));
+        c.api.apply(slice("api", "api-1", ready(&c.ips(&["pod3"]))));
+        wait_backends(&c.w, &addr(API_VIP), &["pod3"]);
+        c.api
+            .apply(slice("odd", "odd-1", ready(&c.ips(&["pod1", "pod2"]))));
+        wait_backends(&c.w, &addr(ODD_VIP), &["pod1", "pod2"]);
+        let applied = since.elapsed();
+        // Web keeps its backends through a longer churn too.
+        eventually("100 changes of each", WAIT, || {
+            assert_backends(
+                &c.w,
+                &addr(WEB_VIP),
+                &["pod1", "pod2", "pod3"],
+                "during the churn",
+            );
+            let n = changes.load(Ordering::Relaxed);
+            if n >= 100 {
+                Ok(())
+            } else {
+                Err(format!("{n} changes so far"))
+            }
+        });
+        stop.store(true, Ordering::Relaxed);
+        (applied, churn.join().expect("churn thread"))
+    });
+    let attempts = traffic.stop_and_check(&["pod1", "pod2", "pod3"]);
+    eprintln!(
+        "odd Services: {churned} changes of each; other changes applied in {applied:?}; {attempts} attempts to web all answered"
+    );
+
+    assert_eq!(
+        Kind::ALL.map(|k| c.api.list_count(k)),
+        lists,
+        "watched on, not relisted"
+    );
+    assert_eq!(
+        watches_failed(&c),
+        failed_before,
+        "no watch failed:\n{}",
+        c.w.agent_log()
+    );
+    let log = c.w.agent_log();
+    assert!(
+        log.lines().any(|l| l.contains("cannot read the object")
+            && l.contains("default/broken")
+            && l.contains("spec.ports")),
+        "the unreadable Service is reported by name and field:\n{log}"
+    );
+    wait_source_errors(&c.w, 1.0);
+    // Fixed, it is programmed like any other.
+    c.api.apply(service("broken", BROKEN_VIP, json!({})));
+    wait_backends(&c.w, &addr(BROKEN_VIP), &["pod1", "pod2", "pod3"]);
+    wait_source_errors(&c.w, 0.0);
 }

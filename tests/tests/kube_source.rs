@@ -110,6 +110,7 @@ fn show(event: &SourceEvent) -> String {
         SourceEvent::Node(None) => "Node -".to_owned(),
         SourceEvent::Synced => "Synced".to_owned(),
         SourceEvent::Connected(up) => format!("Connected({up})"),
+        SourceEvent::Unreadable(n) => format!("Unreadable({n})"),
     }
 }
 
@@ -500,4 +501,154 @@ async fn a_large_list_is_paged_and_reported_whole() {
     // 3 pages for each of Services and slices, 1 for the Node.
     let requests = api.request_count() - requests;
     assert!(requests >= 7, "not paged: {requests} requests");
+}
+
+/// A Service as the API server accepts it but k8s-openapi's typed model rejects it:
+/// `status.conditions[].lastTransitionTime: null` (upstream's "service status
+/// lifecycle" e2e creates one), nulls in lists and fields, a null port error in the
+/// load balancer status, fields no version knows yet.
+fn odd_service(name: &str, port: u16, message: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default", "finalizers": null,
+                     "labels": {"app": name}, "futureMeta": {"x": [null]}},
+        "spec": {
+            "clusterIP": "10.96.0.30", "clusterIPs": ["10.96.0.30", null],
+            "ports": [{"name": "http", "port": port, "protocol": "TCP", "targetPort": null}],
+            "externalIPs": null, "ipFamilies": [null], "futureSpec": true,
+        },
+        "status": {
+            "conditions": [{"type": "StatusUpdate", "status": "True", "reason": "E2E",
+                            "message": message, "lastTransitionTime": null}],
+            "loadBalancer": {"ingress": [{"ip": "203.0.113.7", "ipMode": "VIP",
+                "ports": [{"port": port, "protocol": "TCP", "error": null}]}, null]},
+        },
+    })
+}
+
+/// A Service ferry cannot read at all: `spec.ports` is not a list.
+fn broken_service(name: &str, ports: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"clusterIP": "10.96.0.31", "ports": ports},
+    })
+}
+
+/// An EndpointSlice the typed model rejects in fields ferry never reads.
+fn odd_slice(name: &str, service: &str, ip: &str) -> Value {
+    let mut s = slice(name, service, &[]);
+    s["endpoints"] = json!([{"addresses": [ip, null], "conditions": {"ready": true, "serving": null},
+                             "deprecatedTopology": {"x": null}, "zone": null}, null]);
+    s
+}
+
+/// A Node the typed model rejects: a null quantity and a null transition time.
+fn odd_node(name: &str, zone: &str) -> Value {
+    let mut n = node(name, zone);
+    n["status"]["capacity"] = json!({"cpu": null});
+    n["status"]["conditions"] =
+        json!([{"type": "Ready", "status": "True", "lastTransitionTime": null}]);
+    n
+}
+
+/// One object the API server accepts never interrupts the watch for all: objects the
+/// typed model rejects outside what ferry reads are listed and their changes delivered
+/// one by one; one ferry cannot read is reported, counted and skipped while the others
+/// in the same list and watch are delivered; nothing relists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_objects_never_interrupt_the_watch() {
+    use k8s_openapi::api::core::v1::{Node, Service};
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+    // The fixtures really are what used to fail the watch.
+    assert!(serde_json::from_value::<Service>(odd_service("odd", 80, "m")).is_err());
+    assert!(
+        serde_json::from_value::<EndpointSlice>(odd_slice("odd-1", "odd", "10.128.0.9")).is_err()
+    );
+    assert!(serde_json::from_value::<Node>(odd_node("n1", "a")).is_err());
+
+    let api = FakeApi::start();
+    seed(&api);
+    api.apply(odd_service("odd", 80, "first"));
+    api.apply(broken_service("broken", "80"));
+    api.apply(odd_slice("odd-1", "odd", "10.128.0.9"));
+    api.apply(odd_node("n1", "a"));
+    let mut source = Source::start(&api, "odd").await;
+    source
+        .expect(&[
+            "ServicesReset[gone,odd,web]",
+            "SlicesReset[gone-1,odd-1,web-1]",
+            "Node n1 a",
+            "Unreadable(1)",
+            "Synced",
+        ])
+        .await;
+    let lists = Kind::ALL.map(|k| api.list_count(k));
+
+    // A change of the odd Service arrives with what ferry reads.
+    api.apply(odd_service("odd", 8080, "second"));
+    let events = source
+        .until(|e| matches!(e, SourceEvent::ServiceApplied(_)))
+        .await;
+    let Some(SourceEvent::ServiceApplied(odd)) = events.last() else {
+        unreachable!()
+    };
+    assert_eq!(&*odd.name, "odd");
+    let spec = odd.spec.as_ref().expect("spec");
+    assert_eq!(spec.ports[0].port, 8080);
+    let cluster_ips: Vec<&str> = spec.cluster_ips.iter().map(|ip| &**ip).collect();
+    assert_eq!(cluster_ips, ["10.96.0.30"], "the null is dropped");
+    assert_eq!(odd.ingress[0].ip.as_deref(), Some("203.0.113.7"));
+
+    // The broken one changes (still broken): nothing; the next change of another
+    // Service arrives right behind it.
+    api.apply(broken_service("broken", "81"));
+    api.apply(service("api", json!({})));
+    source.expect(&["ServiceApplied api"]).await;
+
+    // A good Service turns unreadable: its last good state stays (no Delete), it is
+    // counted; fixed, it arrives again.
+    api.apply(broken_service("web", "80"));
+    api.apply(odd_slice("odd-1", "odd", "10.128.0.10"));
+    source
+        .expect(&["Unreadable(2)", "SliceApplied odd-1"])
+        .await;
+    api.apply(service("web", json!({})));
+    source
+        .expect(&["ServiceApplied web", "Unreadable(1)"])
+        .await;
+
+    // Deleting an unreadable object needs only its key.
+    api.delete(Kind::Service, "default", "broken");
+    source
+        .expect(&["ServiceDeleted default/broken", "Unreadable(0)"])
+        .await;
+    api.apply(odd_node("n1", "b"));
+    source.expect(&["Node n1 b"]).await;
+
+    assert_eq!(
+        Kind::ALL.map(|k| api.list_count(k)),
+        lists,
+        "watched on, not relisted"
+    );
+    let rest = source.drain(Duration::from_millis(500)).await;
+    assert!(rest.is_empty(), "unexpected events {rest:?}");
+    for event in &source.seen {
+        let broken_delivered = event.starts_with("ServiceApplied broken")
+            || (event.contains("Reset") && event.contains("broken"));
+        assert!(
+            !event.starts_with("Connected") && !broken_delivered,
+            "{event}: no outage, no broken Service delivered; all events: {:#?}",
+            source.seen
+        );
+    }
+    assert_eq!(
+        source.seen.iter().filter(|e| e.contains("Reset")).count(),
+        2,
+        "one list of each kind: {:#?}",
+        source.seen
+    );
 }

@@ -9,12 +9,21 @@
 //! - [`run`] watches Services and EndpointSlices with kube-proxy's informer selector
 //!   (KP-01) and this node's Node by `metadata.name` (KP-22). Every (re)list is reported
 //!   as a whole set (`*Reset`), so deletions missed while disconnected are caught.
+//! - Objects are decoded leniently ([`super::lenient`]): only the fields ferry reads,
+//!   nulls tolerated. One the typed model still cannot read (`spec.ports: "80"`) never
+//!   fails the watch: it is reported by name, field and reason (a warning, and the
+//!   `ferry_source_errors` gauge through [`SourceEvent::Unreadable`]) and skipped. A
+//!   change that cannot be read keeps the object's last good state (nothing is sent);
+//!   a deletion is applied by key either way; a (re)list leaves such an object out,
+//!   so it is only removed when it is unreadable at a relist (and then reported). The
+//!   Node is never reported missing because it cannot be read.
 //!
 //! Memory: lists are paginated (500 objects a page, a quorum read so that the API
-//! server honours the limit), and every object loses `metadata.managedFields` and its
-//! annotations (except the EndpointSlice trigger time) before it is buffered or sent.
+//! server honours the limit), and every object is cut down to what ferry reads (no
+//! `metadata.managedFields`, no annotations but the EndpointSlice trigger time, no
+//! conditions or node images) before it is typed, buffered or sent.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,8 +33,8 @@ use futures::{FutureExt, StreamExt, future::BoxFuture};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::{ServiceLite, SliceLite};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use super::lenient::{Kept, Lenient, Unreadable};
+use super::{ObjectKey, ServiceLite, SliceLite};
 use kube::api::{Api, ListParams};
 use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -244,9 +253,9 @@ pub async fn run(client: Client, node_name: String, tx: UnboundedSender<SourceEv
             .page_size(PAGE_SIZE)
     };
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    let services: Api<Service> = Api::all(client.clone());
-    let slices: Api<EndpointSlice> = Api::all(client.clone());
-    let nodes: Api<Node> = Api::all(client);
+    let services: Api<Lenient<Service>> = Api::all(client.clone());
+    let slices: Api<Lenient<EndpointSlice>> = Api::all(client.clone());
+    let nodes: Api<Lenient<Node>> = Api::all(client);
 
     let mut updates = stream::select_all([
         watch(services.clone(), proxied())
@@ -423,9 +432,9 @@ impl Kind {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Update {
-    Service(watcher::Event<Service>),
-    Slice(watcher::Event<EndpointSlice>),
-    Node(watcher::Event<Node>),
+    Service(watcher::Event<Lenient<Service>>),
+    Slice(watcher::Event<Lenient<EndpointSlice>>),
+    Node(watcher::Event<Lenient<Node>>),
 }
 
 impl Update {
@@ -438,8 +447,9 @@ impl Update {
     }
 }
 
-/// Turns watcher events into [`SourceEvent`]s: buffers (re)lists, strips objects, tracks
-/// the first sync and the connection state. Pure: no I/O.
+/// Turns watcher events into [`SourceEvent`]s: buffers (re)lists, converts objects,
+/// skips and counts unreadable ones, tracks the first sync and the connection state.
+/// Pure: no I/O.
 #[derive(Debug)]
 struct Mapper {
     node_name: String,
@@ -454,13 +464,26 @@ struct Mapper {
     failing: [bool; 3],
     /// What was last reported (nothing reported counts as connected).
     connected: bool,
+    /// Per kind, the objects whose last version could not be read.
+    unreadable: [BTreeSet<ObjectKey>; 3],
+    /// The count last sent as [`SourceEvent::Unreadable`].
+    unreadable_sent: usize,
+}
+
+/// A watcher event with its object read: deletions need only the key.
+enum Change<L> {
+    Init,
+    InitApply(L),
+    InitDone,
+    Apply(L),
+    Delete(ObjectKey),
 }
 
 /// What one watcher event means, before it becomes a [`SourceEvent`].
 enum Step<K> {
     Reset(Vec<K>),
     Applied(K),
-    Deleted(K),
+    Deleted(ObjectKey),
 }
 
 impl Mapper {
@@ -474,6 +497,8 @@ impl Mapper {
             synced: false,
             failing: [false; 3],
             connected: true,
+            unreadable: Default::default(),
+            unreadable_sent: 0,
         }
     }
 
@@ -508,65 +533,70 @@ impl Mapper {
     fn update(&mut self, update: Update) -> Vec<SourceEvent> {
         let kind = update.kind();
         let mut out: Vec<SourceEvent> = self.recovered(kind).into_iter().collect();
-        let listed = match update {
+        // Mid-list counts would only flap: the count is sent between lists.
+        let (listing, listed) = match &update {
+            Update::Service(e) => list_state(e),
+            Update::Slice(e) => list_state(e),
+            Update::Node(e) => list_state(e),
+        };
+        match update {
             Update::Service(event) => {
-                let listed = matches!(event, watcher::Event::InitDone);
-                let event = compact(event, ServiceLite::from_k8s);
-                match event.and_then(|e| step(&mut self.services, e)) {
+                let change = self.read(kind, event, |s| ServiceLite::from_k8s(&s));
+                match change.and_then(|c| step(&mut self.services, c)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed Services");
                         out.push(SourceEvent::ServicesReset(all));
                     }
                     Some(Step::Applied(s)) => out.push(SourceEvent::ServiceApplied(s)),
-                    Some(Step::Deleted(s)) => out.push(SourceEvent::ServiceDeleted(s.key())),
+                    Some(Step::Deleted(key)) => out.push(SourceEvent::ServiceDeleted(key)),
                     None => {}
                 }
-                listed
             }
             Update::Slice(event) => {
-                let listed = matches!(event, watcher::Event::InitDone);
-                let event = compact(event, SliceLite::from_k8s);
-                match event.and_then(|e| step(&mut self.slices, e)) {
+                let change = self.read(kind, event, |s| SliceLite::from_k8s(&s));
+                match change.and_then(|c| step(&mut self.slices, c)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed EndpointSlices");
                         out.push(SourceEvent::SlicesReset(all));
                     }
                     Some(Step::Applied(s)) => out.push(SourceEvent::SliceApplied(s)),
-                    Some(Step::Deleted(s)) => out.push(SourceEvent::SliceDeleted(s.key())),
+                    Some(Step::Deleted(key)) => out.push(SourceEvent::SliceDeleted(key)),
                     None => {}
                 }
-                listed
             }
             Update::Node(event) => {
-                let listed = matches!(event, watcher::Event::InitDone);
                 // The field selector already picks the node; never trust another one.
-                let ours = |n: &Node| n.metadata.name.as_deref() == Some(self.node_name.as_str());
+                let ours = |n: &Lenient<Node>| n.meta().name.as_deref() == Some(&self.node_name);
                 let event = match event {
                     watcher::Event::InitApply(n)
                     | watcher::Event::Apply(n)
                     | watcher::Event::Delete(n)
                         if !ours(&n) =>
                     {
-                        tracing::debug!(node = ?n.metadata.name, "ignoring another node");
+                        tracing::debug!(node = ?n.meta().name, "ignoring another node");
                         None
                     }
-                    event => Some(event.modify(strip_node)),
+                    event => Some(event),
                 };
-                match event.and_then(|e| step(&mut self.nodes, e)) {
+                let change = event.and_then(|e| self.read(kind, e, Some));
+                match change.and_then(|c| step(&mut self.nodes, c)) {
                     Some(Step::Reset(all)) => {
                         let node = all.into_iter().next();
-                        if node.is_none() {
-                            tracing::warn!(node = %self.node_name, "no Node object with this name (yet)");
+                        if node.is_none() && !self.unreadable[kind as usize].is_empty() {
+                            // Listed but unreadable: the last good Node stays.
+                        } else {
+                            if node.is_none() {
+                                tracing::warn!(node = %self.node_name, "no Node object with this name (yet)");
+                            }
+                            out.push(SourceEvent::Node(node.map(Box::new)));
                         }
-                        out.push(SourceEvent::Node(node.map(Box::new)));
                     }
                     Some(Step::Applied(n)) => out.push(SourceEvent::Node(Some(Box::new(n)))),
                     Some(Step::Deleted(_)) => out.push(SourceEvent::Node(None)),
                     None => {}
                 }
-                listed
             }
-        };
+        }
         if listed {
             self.listed[kind as usize] = true;
             if !self.synced && !self.listed.contains(&false) {
@@ -574,129 +604,164 @@ impl Mapper {
                 out.push(SourceEvent::Synced);
             }
         }
+        let unreadable = self.unreadable.iter().map(BTreeSet::len).sum();
+        if !listing && unreadable != self.unreadable_sent {
+            self.unreadable_sent = unreadable;
+            out.push(SourceEvent::Unreadable(unreadable));
+        }
         out
+    }
+
+    /// The event with its object read and converted; `None` when there is nothing to
+    /// pass on: an object without a name, or one that cannot be read (reported here;
+    /// see the module docs for what happens to it).
+    fn read<K: Kept, L>(
+        &mut self,
+        kind: Kind,
+        event: watcher::Event<Lenient<K>>,
+        convert: impl FnOnce(K) -> Option<L>,
+    ) -> Option<Change<L>> {
+        let unreadable = &mut self.unreadable[kind as usize];
+        let (object, initial) = match event {
+            watcher::Event::Init => {
+                // A (re)list reports every unreadable object again.
+                unreadable.clear();
+                return Some(Change::Init);
+            }
+            watcher::Event::InitDone => return Some(Change::InitDone),
+            watcher::Event::Delete(object) => {
+                let key = ObjectKey::from_meta(object.meta())?;
+                unreadable.remove(&key);
+                return Some(Change::Delete(key));
+            }
+            watcher::Event::InitApply(object) => (object, true),
+            watcher::Event::Apply(object) => (object, false),
+        };
+        match object.0 {
+            Ok(object) => {
+                if let Some(key) = ObjectKey::from_meta(object.meta()) {
+                    unreadable.remove(&key);
+                }
+                let lite = convert(object)?;
+                Some(if initial {
+                    Change::InitApply(lite)
+                } else {
+                    Change::Apply(lite)
+                })
+            }
+            Err(err) => {
+                report(kind, &err, initial, unreadable);
+                None
+            }
+        }
     }
 }
 
-/// The event with its object converted to the compact form; `None` when the object has
-/// no name (never stored).
-fn compact<K, L>(event: watcher::Event<K>, lite: fn(&K) -> Option<L>) -> Option<watcher::Event<L>> {
+/// Whether `event` is part of a list, and whether it ends one.
+fn list_state<K>(event: &watcher::Event<K>) -> (bool, bool) {
     match event {
-        watcher::Event::Init => Some(watcher::Event::Init),
-        watcher::Event::InitDone => Some(watcher::Event::InitDone),
-        watcher::Event::InitApply(o) => lite(&o).map(watcher::Event::InitApply),
-        watcher::Event::Apply(o) => lite(&o).map(watcher::Event::Apply),
-        watcher::Event::Delete(o) => lite(&o).map(watcher::Event::Delete),
+        watcher::Event::Init | watcher::Event::InitApply(_) => (true, false),
+        watcher::Event::InitDone => (false, true),
+        watcher::Event::Apply(_) | watcher::Event::Delete(_) => (false, false),
+    }
+}
+
+/// Logs an object that cannot be read: a warning when it turns unreadable, at debug
+/// level while it stays so (a status that keeps changing would flood the log).
+fn report(kind: Kind, err: &Unreadable, initial: bool, unreadable: &mut BTreeSet<ObjectKey>) {
+    let kind = kind.name();
+    let Some(key) = ObjectKey::from_meta(&err.meta) else {
+        tracing::warn!(kind, field = %err.field, reason = %err.reason, "skipping an object without a name that cannot be read");
+        return;
+    };
+    let keeps = if initial {
+        "left out of the list"
+    } else {
+        "its last good state stays"
+    };
+    if unreadable.insert(key.clone()) {
+        tracing::warn!(kind, object = %key, field = %err.field, reason = %err.reason, "cannot read the object; skipping it ({keeps})");
+    } else {
+        tracing::debug!(kind, object = %key, field = %err.field, reason = %err.reason, "the object still cannot be read");
     }
 }
 
 /// Buffers a (re)list until it is complete; passes changes through.
-fn step<K>(buffer: &mut Vec<K>, event: watcher::Event<K>) -> Option<Step<K>> {
-    match event {
-        watcher::Event::Init => {
+fn step<K>(buffer: &mut Vec<K>, change: Change<K>) -> Option<Step<K>> {
+    match change {
+        Change::Init => {
             // A list that failed half-way is started over: drop its partial objects.
             *buffer = Vec::new();
             None
         }
-        watcher::Event::InitApply(obj) => {
+        Change::InitApply(obj) => {
             buffer.push(obj);
             None
         }
-        watcher::Event::InitDone => Some(Step::Reset(std::mem::take(buffer))),
-        watcher::Event::Apply(obj) => Some(Step::Applied(obj)),
-        watcher::Event::Delete(obj) => Some(Step::Deleted(obj)),
-    }
-}
-
-/// Drops what ferry never reads and what makes objects big: `managedFields` and every
-/// annotation but [`TRIGGER_TIME_ANNOTATION`] (notably
-/// `kubectl.kubernetes.io/last-applied-configuration`, a copy of the whole object).
-fn strip_meta(meta: &mut ObjectMeta) {
-    meta.managed_fields = None;
-    if let Some(annotations) = meta.annotations.take() {
-        let kept: BTreeMap<String, String> = annotations
-            .into_iter()
-            .filter(|(key, _)| key == TRIGGER_TIME_ANNOTATION)
-            .collect();
-        if !kept.is_empty() {
-            meta.annotations = Some(kept);
-        }
-    }
-}
-
-/// A Node also loses `status.images` (every image on the node, often tens of KiB).
-fn strip_node(node: &mut Node) {
-    strip_meta(&mut node.metadata);
-    if let Some(status) = &mut node.status {
-        status.images = None;
+        Change::InitDone => Some(Step::Reset(std::mem::take(buffer))),
+        Change::Apply(obj) => Some(Step::Applied(obj)),
+        Change::Delete(key) => Some(Step::Deleted(key)),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{ContainerImage, NodeStatus};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+    use serde_json::{Value, json};
     use watcher::Event;
 
-    fn meta(name: &str) -> ObjectMeta {
-        ObjectMeta {
-            name: Some(name.to_owned()),
-            namespace: Some("default".to_owned()),
-            managed_fields: Some(vec![ManagedFieldsEntry {
-                manager: Some("kubectl".to_owned()),
-                ..ManagedFieldsEntry::default()
-            }]),
-            annotations: Some(BTreeMap::from([
-                (
-                    "kubectl.kubernetes.io/last-applied-configuration".to_owned(),
-                    "{...}".to_owned(),
-                ),
-                (
-                    TRIGGER_TIME_ANNOTATION.to_owned(),
-                    "2024-01-01T00:00:00Z".to_owned(),
-                ),
-            ])),
-            ..ObjectMeta::default()
-        }
-    }
-
-    fn svc(name: &str) -> Service {
-        Service {
-            metadata: meta(name),
-            ..Service::default()
-        }
-    }
-
-    fn slice(name: &str) -> EndpointSlice {
-        EndpointSlice {
-            metadata: meta(name),
-            address_type: "IPv4".to_owned(),
-            endpoints: Vec::new(),
-            ports: None,
-        }
-    }
-
-    fn node(name: &str) -> Node {
-        Node {
-            metadata: ObjectMeta {
-                namespace: None,
-                ..meta(name)
+    fn meta(name: &str) -> Value {
+        json!({
+            "name": name,
+            "namespace": "default",
+            "resourceVersion": "1",
+            "managedFields": [{"manager": "kubectl", "time": null}],
+            "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": "{...}",
+                TRIGGER_TIME_ANNOTATION: "2024-01-01T00:00:00Z",
             },
-            status: Some(NodeStatus {
-                images: Some(vec![ContainerImage {
-                    names: Some(vec!["registry.k8s.io/pause:3.10".to_owned()]),
-                    size_bytes: Some(1),
-                }]),
-                ..NodeStatus::default()
-            }),
-            ..Node::default()
-        }
+        })
+    }
+
+    fn svc(name: &str) -> Lenient<Service> {
+        Lenient::from_value(json!({
+            "metadata": meta(name),
+            "spec": {"ports": [{"port": 80}]},
+            "status": {"conditions": [{"type": "x", "lastTransitionTime": null}]},
+        }))
+    }
+
+    /// A Service the typed model rejects in a field ferry reads.
+    fn bad_svc(name: &str) -> Lenient<Service> {
+        Lenient::from_value(json!({"metadata": meta(name), "spec": {"ports": "80"}}))
+    }
+
+    fn slice(name: &str) -> Lenient<EndpointSlice> {
+        Lenient::from_value(json!({"metadata": meta(name), "addressType": "IPv4", "endpoints": []}))
+    }
+
+    fn bad_slice(name: &str) -> Lenient<EndpointSlice> {
+        Lenient::from_value(json!({"metadata": meta(name), "addressType": "IPv4", "endpoints": {}}))
+    }
+
+    fn node(name: &str) -> Lenient<Node> {
+        let mut meta = meta(name);
+        meta["namespace"] = Value::Null;
+        Lenient::from_value(json!({
+            "metadata": meta,
+            "status": {"images": [{"names": ["registry.k8s.io/pause:3.10"], "sizeBytes": 1}]},
+        }))
+    }
+
+    fn bad_node(name: &str) -> Lenient<Node> {
+        Lenient::from_value(json!({"metadata": {"name": name}, "spec": {"taints": [{"key": 1}]}}))
     }
 
     /// A short, comparable rendering of an event.
     fn show(event: &SourceEvent) -> String {
-        let name = |m: &ObjectMeta| m.name.clone().unwrap_or_default();
+        let name = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+            m.name.clone().unwrap_or_default()
+        };
         match event {
             SourceEvent::ServicesReset(all) => format!(
                 "ServicesReset[{}]",
@@ -720,10 +785,11 @@ mod tests {
             SourceEvent::Node(None) => "Node -".to_owned(),
             SourceEvent::Synced => "Synced".to_owned(),
             SourceEvent::Connected(up) => format!("Connected({up})"),
+            SourceEvent::Unreadable(n) => format!("Unreadable({n})"),
         }
     }
 
-    fn node_update(event: Event<Node>) -> Update {
+    fn node_update(event: Event<Lenient<Node>>) -> Update {
         Update::Node(event)
     }
 
@@ -878,10 +944,6 @@ mod tests {
         ] {
             events.extend(mapper.update(update));
         }
-        let trigger_only = Some(BTreeMap::from([(
-            TRIGGER_TIME_ANNOTATION.to_owned(),
-            "2024-01-01T00:00:00Z".to_owned(),
-        )]));
         let [
             SourceEvent::ServiceApplied(s),
             SourceEvent::SlicesReset(slices),
@@ -890,29 +952,91 @@ mod tests {
         else {
             panic!("unexpected events {events:?}");
         };
-        // Services keep no annotation (kube-proxy reads none); slices keep only the trigger time.
+        // Slices keep only the trigger time; Services keep no annotation (kube-proxy
+        // reads none).
         assert_eq!(
             slices[0].trigger_time.as_deref(),
-            trigger_only
-                .as_ref()
-                .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
-                .map(String::as_str)
+            Some("2024-01-01T00:00:00Z")
         );
         assert_eq!(n.metadata.managed_fields, None);
-        assert_eq!(n.status.as_ref().unwrap().images, None);
-        // Everything else stays.
+        assert_eq!(n.metadata.annotations, None);
+        assert_eq!(n.status, None, "no images");
+        // What the model reads stays.
         assert_eq!(&*s.name, "a");
+        assert_eq!(s.spec.as_ref().unwrap().ports[0].port, 80);
         assert_eq!(&*slices[0].address_type, "IPv4");
     }
 
     #[test]
-    fn no_annotations_left_means_none() {
-        let mut m = ObjectMeta {
-            annotations: Some(BTreeMap::from([("a".to_owned(), "b".to_owned())])),
-            ..ObjectMeta::default()
-        };
-        strip_meta(&mut m);
-        assert_eq!(m.annotations, None);
+    fn an_unreadable_change_is_skipped_and_counted() {
+        let mut mapper = Mapper::new("n1".to_owned());
+        initial_sync(&mut mapper);
+        let events = feed(
+            &mut mapper,
+            vec![
+                // The last good state of a stays: nothing is sent for it.
+                Update::Service(Event::Apply(bad_svc("a"))),
+                Update::Service(Event::Apply(svc("c"))),
+                // Still unreadable: counted once.
+                Update::Service(Event::Apply(bad_svc("a"))),
+                Update::Slice(Event::Apply(bad_slice("a-1"))),
+                node_update(Event::Apply(bad_node("n1"))),
+                // Readable again.
+                Update::Service(Event::Apply(svc("a"))),
+                // A deletion needs only the key.
+                Update::Slice(Event::Delete(bad_slice("a-1"))),
+                node_update(Event::Apply(node("n1"))),
+            ],
+        );
+        assert_eq!(
+            events,
+            [
+                "Unreadable(1)",
+                "ServiceApplied c",
+                "Unreadable(2)",
+                "Unreadable(3)",
+                "ServiceApplied a",
+                "Unreadable(2)",
+                "SliceDeleted default/a-1",
+                "Unreadable(1)",
+                "Node n1",
+                "Unreadable(0)",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_list_leaves_unreadable_objects_out() {
+        let mut mapper = Mapper::new("n1".to_owned());
+        initial_sync(&mut mapper);
+        let events = feed(
+            &mut mapper,
+            vec![
+                Update::Service(Event::Init),
+                Update::Service(Event::InitApply(svc("a"))),
+                Update::Service(Event::InitApply(bad_svc("b"))),
+                Update::Service(Event::InitApply(svc("c"))),
+                Update::Service(Event::InitDone),
+                // The Node is never reported missing because it cannot be read.
+                node_update(Event::Init),
+                node_update(Event::InitApply(bad_node("n1"))),
+                node_update(Event::InitDone),
+                // A relist that reads b again stops counting it.
+                Update::Service(Event::Init),
+                Update::Service(Event::InitApply(svc("b"))),
+                Update::Service(Event::InitDone),
+            ],
+        );
+        assert_eq!(
+            events,
+            [
+                "ServicesReset[a,c]",
+                "Unreadable(1)",
+                "Unreadable(2)",
+                "ServicesReset[b]",
+                "Unreadable(1)",
+            ]
+        );
     }
 
     #[test]

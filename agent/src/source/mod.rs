@@ -8,6 +8,7 @@
 
 pub mod compact;
 pub mod kube;
+pub mod lenient;
 pub mod manifests;
 pub mod store;
 
@@ -38,4 +39,7 @@ pub enum SourceEvent {
     /// The source lost (false) or regained (true) its view of the world, for health
     /// reporting; the last programmed state stays in the kernel either way.
     Connected(bool),
+    /// How many watched objects cannot be read now (each was reported when it turned
+    /// unreadable); the `ferry_source_errors` gauge. Sent when the count changes.
+    Unreadable(usize),
 }
