@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end check of ferry in a kind cluster without kube-proxy.
 #
-# Needs Docker, kind and kubectl. Not run by CI (no Docker engine there): CI runs the
-# same behaviours against network namespaces and a fake API server (`cargo xtask test`).
+# Needs Docker (for kind's nodes), kind and kubectl; the image itself is built without
+# Docker by `cargo xtask image`. Not run by CI (no Docker engine there): CI runs the same
+# behaviours against network namespaces and a fake API server (`cargo xtask test`), and
+# the image under containerd (tests/tests/container.rs).
 #
 #   hack/kind-e2e.sh            # create cluster, deploy ferry, check Services, delete cluster
 #   KEEP=1 hack/kind-e2e.sh     # keep the cluster afterwards
@@ -10,13 +12,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CLUSTER=${CLUSTER:-ferry-e2e}
-IMAGE=ferry:dev
+VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+ARCHIVE=target/image/ferry-$VERSION.oci.tar
 
 for tool in docker kind kubectl; do
   command -v "$tool" >/dev/null || { echo "kind-e2e: $tool is required" >&2; exit 2; }
 done
 
-cleanup() { [ -n "${KEEP:-}" ] || kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; }
+cleanup() {
+  [ -n "${KEEP:-}" ] || kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+  [ -z "${KUBECONFIG_FILE:-}" ] || rm -f "$KUBECONFIG_FILE"
+}
 trap cleanup EXIT
 
 cat <<YAML | kind create cluster --name "$CLUSTER" --config=-
@@ -30,8 +36,12 @@ nodes:
 - role: worker
 YAML
 
-docker build -f deploy/Dockerfile -t "$IMAGE" .
-kind load docker-image "$IMAGE" --name "$CLUSTER"
+# The OCI archive names itself ghcr.io/ferry-proj/ferry:$VERSION, the image deploy/ferry.yaml uses.
+cargo xtask image
+kind load image-archive "$ARCHIVE" --name "$CLUSTER"
+KUBECONFIG_FILE=$(mktemp)
+kind get kubeconfig --name "$CLUSTER" >"$KUBECONFIG_FILE"
+export KUBECONFIG=$KUBECONFIG_FILE
 
 # The API server as the nodes reach it, never through a ClusterIP (bootstrap).
 API_HOST=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$CLUSTER-control-plane")
@@ -61,6 +71,6 @@ echo "$out" | grep -q REFUSED || { echo "kind-e2e: expected REFUSED" >&2; exit 1
 
 if [ -n "${E2E_FOCUS:-}" ]; then
   command -v e2e.test >/dev/null && command -v ginkgo >/dev/null || { echo "kind-e2e: e2e.test and ginkgo are needed for E2E_FOCUS" >&2; exit 2; }
-  ginkgo --focus="$E2E_FOCUS" --skip='\[Serial\]|\[Disruptive\]|\[Feature:' e2e.test -- --kubeconfig="$(kind get kubeconfig-path --name "$CLUSTER" 2>/dev/null || echo "$HOME/.kube/config")" --provider=skeleton
+  ginkgo --focus="$E2E_FOCUS" --skip='\[Serial\]|\[Disruptive\]|\[Feature:' e2e.test -- --kubeconfig="$KUBECONFIG_FILE" --provider=skeleton
 fi
 echo "kind-e2e: ok"

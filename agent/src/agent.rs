@@ -52,6 +52,9 @@ pub struct AgentConfig {
     pub load: LoadOptions,
     pub health_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
+    /// `--takeover-kube-proxy`: once the first sync is written, remove the rules a
+    /// kube-proxy left on this node ([`crate::takeover`]).
+    pub takeover_kube_proxy: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -644,6 +647,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let mut retry_tick = tokio::time::interval(RETRY_PERIOD);
     let mut synced_source = false;
     let mut dirty = Dirty::default();
+    let mut takeover_pending = cfg.takeover_kube_proxy;
     loop {
         tokio::select! {
             event = rx.recv() => {
@@ -706,8 +710,73 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
             _ = tokio::signal::ctrl_c() => { info!("SIGINT: exiting, programs and maps stay pinned"); break; }
             _ = sigterm.recv() => { info!("SIGTERM: exiting, programs and maps stay pinned"); break; }
         }
+        // Ready (the first full sync is in the maps and the programs attached): new
+        // connections are ferry's, so kube-proxy's leftovers can go.
+        if takeover_pending && !migration_pending && status.lock().expect("status lock").synced {
+            takeover_pending = false;
+            tokio::task::spawn_blocking({
+                let status = status.clone();
+                move || takeover_kube_proxy(&status)
+            });
+        }
     }
     Ok(())
+}
+
+/// When `--takeover-kube-proxy` looks again after the first removal: Gardener deletes
+/// kube-proxy while ferry starts, and a kube-proxy still running writes its rules back.
+const TAKEOVER_RECHECKS: [Duration; 3] = [
+    Duration::from_secs(30),
+    Duration::from_secs(90),
+    Duration::from_secs(300),
+];
+
+/// `--takeover-kube-proxy`: removes kube-proxy's rules once ready, then looks again a few
+/// times. A failure is logged loudly and shown in /metrics, and the agent goes on (its
+/// programs already serve). Blocking: runs on its own thread.
+fn takeover_kube_proxy(status: &SharedStatus) {
+    let (mut chains, mut rules) = (0u64, 0u64);
+    for (i, wait) in std::iter::once(Duration::ZERO)
+        .chain(TAKEOVER_RECHECKS)
+        .enumerate()
+    {
+        std::thread::sleep(wait);
+        let (report, result) = match crate::takeover::run(false) {
+            Ok(r) => (r, Ok(())),
+            Err((r, e)) => (r, Err(e)),
+        };
+        if i > 0 && report.is_empty() && result.is_ok() {
+            continue;
+        }
+        if i > 0 {
+            warn!(
+                "kube-proxy's rules are back (is kube-proxy still running?): removing them again"
+            );
+        }
+        for line in report.summary().lines() {
+            if !line.starts_with("error: ") {
+                info!("kube-proxy takeover: {line}");
+            }
+        }
+        chains += report.chains_removed() as u64;
+        rules += report.rules_removed() as u64;
+        {
+            let mut s = status.lock().expect("status lock");
+            s.takeover_failed = Some(result.is_err());
+            s.takeover_chains_removed = chains;
+            s.takeover_rules_removed = rules;
+        }
+        match result {
+            Ok(()) => info!(
+                chains = report.chains_removed(),
+                rules = report.rules_removed(),
+                "kube-proxy takeover done"
+            ),
+            Err(e) => error!(
+                "kube-proxy takeover FAILED, kube-proxy's rules may still be on this node (remove them with `ferry takeover`): {e}"
+            ),
+        }
+    }
 }
 
 /// Opens, updates and closes the healthCheckNodePort servers after a sync. Only when the

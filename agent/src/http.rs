@@ -256,6 +256,23 @@ fn metrics(s: &Status) -> String {
         "Manifest files that failed to parse in the last scan, or watched API objects that cannot be read now.",
         s.source_errors as f64,
     );
+    if let Some(failed) = s.takeover_failed {
+        m.gauge(
+            "ferry_kube_proxy_takeover_failed",
+            "1 when --takeover-kube-proxy failed to remove kube-proxy's rules (see the log).",
+            if failed { 1.0 } else { 0.0 },
+        );
+        m.gauge(
+            "ferry_kube_proxy_takeover_chains_removed",
+            "kube-proxy chains removed by --takeover-kube-proxy.",
+            s.takeover_chains_removed as f64,
+        );
+        m.gauge(
+            "ferry_kube_proxy_takeover_rules_removed",
+            "kube-proxy rules removed by --takeover-kube-proxy.",
+            s.takeover_rules_removed as f64,
+        );
+    }
     m.counter(
         "ferry_map_write_failures_total",
         "Map writes that failed.",

@@ -4,7 +4,8 @@
 //! - [`model`] decides, purely, what the dataplane must do (kube-proxy's contract);
 //! - [`dataplane`] is the only code that touches BPF maps and programs;
 //! - [`agent`] runs the sync loop; [`http`] serves health and metrics; [`list`] renders
-//!   the live maps for `ferry list`; [`explain`] answers `ferry explain`.
+//!   the live maps for `ferry list`; [`explain`] answers `ferry explain`; [`takeover`]
+//!   removes the rules a kube-proxy left behind.
 
 pub mod agent;
 pub mod dataplane;
@@ -17,3 +18,4 @@ pub mod model;
 pub mod node;
 pub mod source;
 pub mod status;
+pub mod takeover;

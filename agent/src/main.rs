@@ -1,4 +1,4 @@
-//! `ferry`: agent, list, explain, cleanup (DESIGN.md §4). Exit codes: 0 ok, 1 runtime
+//! `ferry`: agent, list, explain, cleanup, takeover (DESIGN.md §4). Exit codes: 0 ok, 1 runtime
 //! failure, 2 usage or configuration error; `explain` exits 3 when the address is not a
 //! Service frontend.
 
@@ -11,6 +11,7 @@ use ferry::{
     dataplane::{self, Capacity, KernelMaps, LoadOptions, loader::MAX_CAPACITY},
     explain, list, node,
     source::manifests,
+    takeover,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -52,6 +53,17 @@ enum Cmd {
         bpffs: PathBuf,
         #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
         output: ExplainOutput,
+    },
+    /// Remove the rules a kube-proxy left on this node, and only kube-proxy's: its
+    /// iptables chains and the jumps to them (iptables-legacy and iptables-nft, IPv4 and
+    /// IPv6; tables nat, filter, mangle; one atomic restore per table) and its nftables
+    /// tables `ip kube-proxy` and `ip6 kube-proxy`. The kubelet's chains (KUBE-FIREWALL,
+    /// KUBE-KUBELET-CANARY, KUBE-MARK-DROP) and all other rules stay. Idempotent. Run it
+    /// once ferry serves the Services (or use `agent --takeover-kube-proxy`).
+    Takeover {
+        /// Print what would be removed, change nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Detach everything and remove the pins. Idempotent.
     Cleanup {
@@ -130,6 +142,15 @@ struct AgentArgs {
     /// tc conntrack entries (LRU; two per flow from outside the node).
     #[arg(long, default_value_t = 262144, value_parser = clap::value_parser!(u32).range(2..))]
     max_conntrack: u32,
+    /// Replace a kube-proxy on a live node: once the first sync is written (ferry serves
+    /// new connections), remove kube-proxy's iptables chains (legacy and nft backends,
+    /// IPv4 and IPv6) and its `kube-proxy` nftables tables, as `ferry takeover` does.
+    /// Established connections keep their NAT; the kubelet's and others' rules stay. A
+    /// failure is logged and shown in /metrics (`ferry_kube_proxy_takeover_failed`),
+    /// and the agent keeps running. It looks again 30 s, 2 min and 7 min later, in case
+    /// kube-proxy was still running and wrote its rules back.
+    #[arg(long)]
+    takeover_kube_proxy: bool,
 }
 
 /// A usage or configuration error: exit code 2.
@@ -164,6 +185,7 @@ fn main() -> ExitCode {
         Cmd::Agent(args) => run_agent(*args),
         Cmd::List { bpffs, output } => run_list(&bpffs, output),
         Cmd::Cleanup { bpffs, devices, .. } => run_cleanup(&bpffs, &devices),
+        Cmd::Takeover { dry_run } => run_takeover(dry_run),
         Cmd::Explain {
             target,
             from,
@@ -279,6 +301,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         },
         health_addr: a.health_addr,
         metrics_addr: a.metrics_addr,
+        takeover_kube_proxy: a.takeover_kube_proxy,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -403,4 +426,20 @@ fn run_cleanup(bpffs: &std::path::Path, devices: &[String]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `ferry takeover`: the logic is `takeover::run`; a summary line per backend and table.
+fn run_takeover(dry_run: bool) -> Result<()> {
+    match takeover::run(dry_run) {
+        Ok(report) => {
+            print!("{}", report.summary());
+            Ok(())
+        }
+        Err((_, e @ takeover::TakeoverError::NoTools)) => Err(usage(e.to_string())),
+        Err((report, e)) => {
+            // What was done is printed; the errors end the summary and the exit code is 1.
+            print!("{}", report.summary());
+            Err(anyhow!(e))
+        }
+    }
 }

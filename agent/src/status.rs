@@ -66,6 +66,10 @@ pub struct Status {
     pub node_ineligible: bool,
     /// The source currently reaches its objects (API server up); for logs and metrics.
     pub source_connected: bool,
+    /// `--takeover-kube-proxy`: None until it ran, then whether it failed.
+    pub takeover_failed: Option<bool>,
+    pub takeover_chains_removed: u64,
+    pub takeover_rules_removed: u64,
 }
 
 pub type SharedStatus = Arc<Mutex<Status>>;
@@ -189,6 +193,9 @@ impl Default for Status {
             // As the kube source's own state: nothing reported counts as connected, so
             // the first outage (`Connected(false)`) is seen as a change and logged.
             source_connected: true,
+            takeover_failed: None,
+            takeover_chains_removed: 0,
+            takeover_rules_removed: 0,
         }
     }
 }

@@ -146,6 +146,8 @@ pub(crate) fn test(unit_only: bool, filter: Option<&str>) -> Result<()> {
         );
     }
     all()?;
+    // The container test (tests/tests/container.rs) runs this image.
+    crate::image::build_archive()?;
     let mut kernel = cargo();
     kernel.args([
         "test",

@@ -3,6 +3,7 @@
 
 mod bench;
 mod build;
+mod image;
 mod setup;
 
 use anyhow::Result;
@@ -23,6 +24,13 @@ enum Cmd {
     BuildEbpf,
     /// Build the eBPF object, then target/release/ferry and the test helpers.
     Build,
+    /// Build, then the container image as an OCI archive in
+    /// target/image/ferry-<version>.oci.tar (no Docker needed).
+    Image {
+        /// Package the target/release/ferry already built, without building it first.
+        #[arg(long)]
+        no_build: bool,
+    },
     /// Run every test CI runs: unit tests, then kernel tests as root (one at a time).
     Test {
         /// Only the unit tests (no root, no BPF toolchain needed).
@@ -52,6 +60,7 @@ fn main() -> Result<()> {
         Cmd::Setup => setup::run(),
         Cmd::BuildEbpf => build::ebpf(),
         Cmd::Build => build::all(),
+        Cmd::Image { no_build } => image::run(no_build),
         Cmd::Test { unit_only, filter } => build::test(unit_only, filter.as_deref()),
         Cmd::Demo => build::demo(),
         Cmd::Bench { name, quick, args } => bench::run(name.as_deref(), quick, &args),

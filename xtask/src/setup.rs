@@ -21,6 +21,10 @@ pub(crate) const PACKAGES: &[&str] = &[
     "nftables",
     "iperf3",
     "fonts-dejavu-core",
+    // The image (`cargo xtask image`) and the container test that runs it.
+    "ca-certificates",
+    "containerd",
+    "runc",
 ];
 
 pub(crate) const LINKER_INSTALL: &str = "LLVM_SYS_221_PREFIX=/usr/lib/llvm-22 PATH=/usr/lib/llvm-22/bin:$PATH \
