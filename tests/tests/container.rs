@@ -308,6 +308,11 @@ impl Drop for Containerd {
                 sh_quiet(&format!("umount -l '{m}'"));
             }
         }
+        // runc puts each task in `<hierarchy>/<containerd namespace>/<id>` of every cgroup
+        // hierarchy and removes only the task's own directory: the namespace's stays.
+        for dir in namespace_cgroups(&self.ns) {
+            remove_cgroup_tree(&dir);
+        }
         let _ = fs::remove_dir_all(&self.dir);
         if self.created_run_dir {
             for d in ["s", "fifo", "runc", ""] {
@@ -315,6 +320,32 @@ impl Drop for Containerd {
             }
         }
     }
+}
+
+/// `<mount>/<ns>` in every cgroup (v1 and v2) hierarchy where it exists.
+fn namespace_cgroups(ns: &str) -> Vec<PathBuf> {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, mnt, fstype) = (f.next()?, f.next()?, f.next()?);
+            matches!(fstype, "cgroup" | "cgroup2").then(|| Path::new(mnt).join(ns))
+        })
+        .filter(|p| p.is_dir())
+        .collect()
+}
+
+/// Removes a cgroup directory and the (empty) ones below it, deepest first.
+fn remove_cgroup_tree(dir: &Path) {
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_cgroup_tree(&e.path());
+            }
+        }
+    }
+    ferry_tests::remove_cgroup(dir);
 }
 
 /// Pids whose command line contains `needle`.

@@ -71,6 +71,18 @@ fn aff_doc(c: &Cluster, extra: &str) -> String {
     aff_doc_with(c, extra, &|_, ip, node| ep(ip).on(node))
 }
 
+/// The affinity Service with pod `pod` terminating (`serving` or not), the others ready.
+fn aff_doc_terminating(c: &Cluster, pod: &str, serving: bool) -> String {
+    aff_doc_with(c, AFFINITY, &|name, ip, node| {
+        let e = ep(ip).on(node);
+        if name == pod {
+            e.terminating(serving)
+        } else {
+            e
+        }
+    })
+}
+
 /// Writes the Service and routes its externalIPs to node 1 from the external clients.
 fn setup(c: &mut Cluster, extra: &str) {
     c.write_manifest("aff.yaml", &aff_doc(c, extra));
@@ -335,18 +347,7 @@ fn a_pin_follows_the_backend_set_terminating_and_local_policy() {
 
     // The pinned backend starts terminating while others are ready: new connections
     // leave it and stick to one of the others.
-    let terminating = b.clone();
-    c.write_manifest(
-        "aff.yaml",
-        &aff_doc_with(&c, AFFINITY, &|name, ip, node| {
-            let e = ep(ip).on(node);
-            if name == terminating {
-                e.terminating(true)
-            } else {
-                e
-            }
-        }),
-    );
+    c.write_manifest("aff.yaml", &aff_doc_terminating(&c, &b, true));
     let b2 = eventually_pinned(
         &c,
         From::Ext(1),
@@ -358,17 +359,7 @@ fn a_pin_follows_the_backend_set_terminating_and_local_policy() {
     // The backend leaves the Service: the pin moves to one that is there.
     let gone = b2.clone();
     let remaining: Vec<&str> = PODS.iter().copied().filter(|p| *p != gone).collect();
-    c.write_manifest(
-        "aff.yaml",
-        &aff_doc_with(&c, AFFINITY, &|name, ip, node| {
-            let e = ep(ip).on(node);
-            if name == gone {
-                e.terminating(false)
-            } else {
-                e
-            }
-        }),
-    );
+    c.write_manifest("aff.yaml", &aff_doc_terminating(&c, &gone, false));
     let b3 = eventually_pinned(
         &c,
         From::Ext(1),

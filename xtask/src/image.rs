@@ -74,7 +74,7 @@ pub(crate) fn build_archive() -> Result<()> {
     let entries = image_entries(&bin)?;
     let layer_tar = tar(&entries, mtime);
     let layer_gz = gzip(&layer_tar)?;
-    let image = Image::new(&layer_tar, layer_gz, mtime);
+    let image = Image::new(&layer_tar, layer_gz);
     let out = archive_path();
     fs::create_dir_all(out.parent().unwrap())?;
     let tmp = out.with_extension("tar.tmp");
@@ -294,10 +294,10 @@ pub(crate) struct Image {
 }
 
 impl Image {
-    pub(crate) fn new(layer_tar: &[u8], layer_gz: Vec<u8>, mtime: u64) -> Image {
-        let created = rfc3339(mtime);
+    /// No `created` date in the config (it is optional): the digests then depend on the
+    /// layer only.
+    pub(crate) fn new(layer_tar: &[u8], layer_gz: Vec<u8>) -> Image {
         let config = json!({
-            "created": created,
             "architecture": oci_arch(),
             "os": "linux",
             "config": {
@@ -312,7 +312,7 @@ impl Image {
                 },
             },
             "rootfs": {"type": "layers", "diff_ids": [sha256(layer_tar)]},
-            "history": [{"created": created, "created_by": "cargo xtask image"}],
+            "history": [{"created_by": "cargo xtask image"}],
         });
         let config = serde_json::to_vec(&config).expect("config json");
         let layer_digest = sha256(&layer_gz);
@@ -382,28 +382,6 @@ fn oci_arch() -> &'static str {
         "aarch64" => "arm64",
         other => other,
     }
-}
-
-/// `secs` since the epoch as `YYYY-MM-DDTHH:MM:SSZ`.
-fn rfc3339(secs: u64) -> String {
-    let days = (secs / 86400) as i64;
-    let rem = secs % 86400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 #[cfg(test)]
@@ -485,8 +463,8 @@ mod tests {
     fn same_input_gives_same_digests() {
         let a_tar = tar(&sample(), 0);
         let b_tar = tar(&sample(), 0);
-        let a = Image::new(&a_tar, gzip(&a_tar).unwrap(), 0);
-        let b = Image::new(&b_tar, gzip(&b_tar).unwrap(), 0);
+        let a = Image::new(&a_tar, gzip(&a_tar).unwrap());
+        let b = Image::new(&b_tar, gzip(&b_tar).unwrap());
         assert_eq!(a.layer_digest, b.layer_digest);
         assert_eq!(a.manifest_digest, b.manifest_digest);
         assert_eq!(sha256(&a.archive(0)), sha256(&b.archive(0)));
@@ -511,12 +489,5 @@ mod tests {
             .map(PathBuf::from)
         );
         assert!(parse_ldd("\tlibfoo.so => not found\n").is_err());
-    }
-
-    #[test]
-    fn dates() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
-        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
     }
 }
