@@ -13,7 +13,18 @@ use crate::setup;
 const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 const DEBIAN_CARGO: &str = "/usr/bin/cargo";
 const DEBIAN_RUST_SRC: &str = "/usr/lib/rustlib/src/rust/library";
-const BPF_RUSTFLAGS: &str = r#"build.rustflags=["--cfg=bpf_target_arch=\"x86_64\"","-Cdebuginfo=2","-Clink-arg=--btf","-Cpanic=abort"]"#;
+const BPF_RUSTFLAGS: &str = r#""--cfg=bpf_target_arch=\"x86_64\"","-Cdebuginfo=2","-Clink-arg=--btf","-Cpanic=abort""#;
+
+/// The eBPF build's rustflags. The checkout's path is remapped to `/ferry` in the
+/// object's debug info and BTF line info, so that the same commit gives the same object,
+/// binary and image layer wherever it is checked out.
+fn bpf_rustflags(root: &Path) -> String {
+    let root = root.display().to_string();
+    let remap = format!("--remap-path-prefix={root}=/ferry")
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"");
+    format!("build.rustflags=[{BPF_RUSTFLAGS},\"{remap}\"]")
+}
 
 pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -92,7 +103,8 @@ pub(crate) fn ebpf() -> Result<()> {
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .arg("--target-dir")
         .arg(&target_dir)
-        .args(["--config", BPF_RUSTFLAGS]);
+        .arg("--config")
+        .arg(bpf_rustflags(&root));
     run(&mut cmd, "building the eBPF object")?;
     let built = target_dir.join("bpfel-unknown-none/release/ferry-ebpf");
     let dest = ebpf_object();
@@ -113,6 +125,8 @@ pub(crate) fn all() -> Result<()> {
         "ferry-agent",
         "-p",
         "ferry-tests",
+        "-p",
+        "ferry-cni",
         "--bins",
     ]);
     run(&mut cmd, "building target/release/ferry")?;
