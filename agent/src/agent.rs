@@ -714,10 +714,16 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         // connections are ferry's, so kube-proxy's leftovers can go.
         if takeover_pending && !migration_pending && status.lock().expect("status lock").synced {
             takeover_pending = false;
-            tokio::task::spawn_blocking({
-                let status = status.clone();
-                move || takeover_kube_proxy(&status)
-            });
+            // A detached thread, not spawn_blocking: the runtime waits for its blocking
+            // tasks when it is dropped, and this one sleeps for minutes between its
+            // looks, which would hold SIGTERM's exit that long.
+            let status = status.clone();
+            if let Err(e) = std::thread::Builder::new()
+                .name("takeover".into())
+                .spawn(move || takeover_kube_proxy(&status))
+            {
+                error!("kube-proxy takeover FAILED: cannot start its thread: {e}");
+            }
         }
     }
     Ok(())

@@ -5,7 +5,9 @@
 //! ClusterIP and a NodePort; a container restart keeps an established TCP flow; the
 //! health and metrics endpoints answer from the node's side; a connected UDP socket in a
 //! pod whose backend left the Service is reset (the agent enters the pod's network
-//! namespace, found in the DaemonSet's /run/netns mount).
+//! namespace, found in the DaemonSet's /run/netns mount). The node carried kube-proxy's
+//! rules before the agent started: the agent's takeover, with the image's own iptables
+//! and nft and the DaemonSet's capabilities, removes them and nothing else.
 //!
 //! The containerd daemon is the test's own: its root, state, sockets and config live in
 //! a temporary directory, its CRI plugin is off, and it is stopped and the directory
@@ -25,6 +27,14 @@ use std::{
 use ferry_tests::*;
 use serde::Deserialize;
 use serde_yaml::Value;
+
+// kube-proxy's rule generators of the benchmark, and the fixture built on them.
+#[allow(dead_code)]
+#[path = "support/kube_proxy.rs"]
+mod kube_proxy;
+#[allow(dead_code)]
+#[path = "../src/bin/ferry-bench/layouts.rs"]
+mod layouts;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const VIP: &str = "10.96.0.10";
@@ -121,6 +131,7 @@ fn daemonset() -> PodSpec {
 fn cap_bit(name: &str) -> u32 {
     match name {
         "NET_ADMIN" => 12,
+        "NET_RAW" => 13,
         "SYS_PTRACE" => 19,
         "SYS_ADMIN" => 21,
         "SYS_RESOURCE" => 24,
@@ -408,6 +419,15 @@ impl Drop for HostDirs {
     }
 }
 
+/// The host's iptables lock file (hostPath type FileOrCreate).
+fn xtables_lock() -> PathBuf {
+    let p = PathBuf::from("/run/xtables.lock");
+    if !p.exists() {
+        fs::write(&p, b"").expect("creating /run/xtables.lock");
+    }
+    p
+}
+
 /// Runs the agent container in `w`'s node namespace, as the DaemonSet would.
 fn run_agent(ctr: &Containerd, w: &World, spec: &PodSpec, dirs: &HostDirs, log: &Path) {
     let mut args: Vec<String> = vec![
@@ -442,6 +462,8 @@ fn run_agent(ctr: &Containerd, w: &World, spec: &PodSpec, dirs: &HostDirs, log: 
             "bpffs" => dirs.bpffs.clone(),
             "cgroup" => w.cgroup.clone(),
             "netns" => dirs.netns_dir.clone(),
+            // The node's own iptables lock, as on a real node.
+            "xtables-lock" => xtables_lock(),
             other => {
                 panic!("deploy/ferry.yaml mounts volume {other}: teach this test its host side")
             }
@@ -605,6 +627,10 @@ fn image_runs_as_the_daemonset_would() {
         image_ref()
     );
 
+    // The node ran kube-proxy before: its rules are there when the agent starts.
+    kube_proxy::load_kube_proxy(&w);
+    let kube_proxy_before = kube_proxy::before(&w);
+
     run_agent(&ctr, &w, &spec, &dirs, &log);
     let (pid, _) = ctr.task_pid(CONTAINER).expect("agent task");
     let want = spec.caps.iter().fold(0u64, |m, c| m | 1 << cap_bit(c));
@@ -630,6 +656,29 @@ fn image_runs_as_the_daemonset_would() {
     assert!(
         metric_value(&metrics, "ferry_services_programmed", "") >= 2,
         "/metrics should count the 2 Services:\n{metrics}"
+    );
+
+    // The takeover ran in the container, with the image's tools.
+    eventually(
+        "the agent in the container removed kube-proxy's rules",
+        Duration::from_secs(30),
+        || {
+            let l = fs::read_to_string(&log).unwrap_or_default();
+            if l.contains("kube-proxy takeover FAILED") {
+                panic!("the takeover failed in the container:\n{l}");
+            }
+            if l.contains("kube-proxy takeover done") {
+                Ok(())
+            } else {
+                Err(tail(&l, 5))
+            }
+        },
+    );
+    kube_proxy::assert_only_kube_proxy_removed(&w, &kube_proxy_before);
+    let (_, metrics) = http_get(&w.node_ns, 10249, "/metrics").expect("/metrics");
+    assert!(
+        metrics.contains("ferry_kube_proxy_takeover_failed 0"),
+        "/metrics should show the takeover done:\n{metrics}"
     );
 
     // An established flow survives the container's restart.

@@ -168,7 +168,7 @@ fn daemonset_is_node_critical_and_least_privileged() {
     for need in ["BPF", "PERFMON", "NET_ADMIN"] {
         assert!(added.contains(need), "capability {need} missing: {added:?}");
     }
-    let allowed = set(&["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN"]);
+    let allowed = set(&["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN", "NET_RAW"]);
     assert!(
         added.is_subset(&allowed),
         "capabilities beyond the reviewed set: {:?}",
@@ -228,4 +228,20 @@ fn daemonset_is_node_critical_and_least_privileged() {
         args.contains("--cgroup=/run/ferry/cgroupv2"),
         "the agent must use the mounted cgroup root: {args:?}"
     );
+    // It replaces kube-proxy: the takeover runs, with the node's iptables lock.
+    assert!(args.contains("--takeover-kube-proxy"), "args: {args:?}");
+    assert_eq!(
+        get(path_of("xtables-lock"), "mountPath").as_str(),
+        Some("/run/xtables.lock")
+    );
+    let volumes = get(pod, "volumes").as_sequence().unwrap();
+    let lock = volumes
+        .iter()
+        .find(|v| get(v, "name").as_str() == Some("xtables-lock"))
+        .expect("volume xtables-lock");
+    assert_eq!(
+        get(lock, "hostPath.path").as_str(),
+        Some("/run/xtables.lock")
+    );
+    assert_eq!(get(lock, "hostPath.type").as_str(), Some("FileOrCreate"));
 }

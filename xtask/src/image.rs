@@ -7,6 +7,12 @@
 //! - the shared libraries `ldd` lists for it, at the paths `ldd` prints, and the dynamic
 //!   loader (ferry links glibc dynamically),
 //! - `/etc/ssl/certs/ca-certificates.crt` from the host (Debian `ca-certificates`),
+//! - the tools `--takeover-kube-proxy` runs, from the host's Debian `iptables` and
+//!   `nftables`: `xtables-legacy-multi` and `xtables-nft-multi` with the
+//!   `{ip,ip6}tables-{legacy,nft}-{save,restore}` links they dispatch on, `nft`, the
+//!   iptables match and target modules (`/usr/lib/<triple>/xtables/lib{xt,ipt,ip6t}_*.so`,
+//!   which `iptables-restore` loads for each rule it parses) and the libraries of all of
+//!   them, plus `/etc/protocols`,
 //! - a one-line `/etc/passwd` (root) and an empty `/tmp` (mode 1777).
 //!
 //! The image is named [`IMAGE_REPO`]`:<version>` through both annotations importers read
@@ -18,7 +24,7 @@
 //! Two builds of the same binary give the same layer, config and manifest digests.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     io::Write,
     path::{Path, PathBuf},
@@ -106,9 +112,48 @@ fn source_date_epoch() -> Result<u64> {
 /// One entry of the layer: a path without the leading `/` and what is there.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Node {
-    Dir { mode: u32 },
-    File { mode: u32, data: Vec<u8> },
+    Dir {
+        mode: u32,
+    },
+    File {
+        mode: u32,
+        data: Vec<u8>,
+    },
+    /// A symbolic link to `target` (relative to the link's directory).
+    Symlink {
+        target: String,
+    },
 }
+
+/// The multi-call iptables binaries and the names they answer to (argv[0]).
+const XTABLES_MULTI: [(&str, &[&str]); 2] = [
+    (
+        "xtables-legacy-multi",
+        &[
+            "iptables-legacy-save",
+            "iptables-legacy-restore",
+            "ip6tables-legacy-save",
+            "ip6tables-legacy-restore",
+            "iptables-legacy",
+            "ip6tables-legacy",
+        ],
+    ),
+    (
+        "xtables-nft-multi",
+        &[
+            "iptables-nft-save",
+            "iptables-nft-restore",
+            "ip6tables-nft-save",
+            "ip6tables-nft-restore",
+            "iptables-nft",
+            "ip6tables-nft",
+        ],
+    ),
+];
+/// Where Debian's libxtables looks for match and target modules (its XTABLES_LIBDIR).
+const XTABLES_MODULES: &str = "/usr/lib/x86_64-linux-gnu/xtables";
+/// Prefixes of the modules iptables and ip6tables load (not ebtables' or arptables').
+const XTABLES_MODULE_PREFIXES: [&str; 3] = ["libxt_", "libipt_", "libip6t_"];
 
 /// What goes into the image, keyed by path (relative, no leading `/`).
 fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
@@ -121,7 +166,50 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
             data: read(bin)?,
         },
     );
-    for lib in shared_libraries(bin)? {
+    let mut needs_libraries = vec![bin.to_path_buf()];
+    for (multi, names) in XTABLES_MULTI {
+        let path = host_tool(multi)?;
+        e.insert(
+            format!("usr/sbin/{multi}"),
+            Node::File {
+                mode: 0o755,
+                data: read(&path)?,
+            },
+        );
+        for name in names {
+            e.insert(
+                format!("usr/sbin/{name}"),
+                Node::Symlink {
+                    target: multi.to_string(),
+                },
+            );
+        }
+        needs_libraries.push(path);
+    }
+    let nft = host_tool("nft")?;
+    e.insert(
+        "usr/sbin/nft".into(),
+        Node::File {
+            mode: 0o755,
+            data: read(&nft)?,
+        },
+    );
+    needs_libraries.push(nft);
+    for module in xtables_modules()? {
+        e.insert(
+            module.to_string_lossy().trim_start_matches('/').to_string(),
+            Node::File {
+                mode: 0o644,
+                data: read(&module)?,
+            },
+        );
+        needs_libraries.push(module);
+    }
+    let mut libs = BTreeSet::new();
+    for exe in &needs_libraries {
+        libs.extend(shared_libraries(exe)?);
+    }
+    for lib in libs {
         let rel = lib
             .strip_prefix("/")
             .with_context(|| format!("ldd printed a relative path {}", lib.display()))?;
@@ -133,6 +221,13 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
             },
         );
     }
+    e.insert(
+        "etc/protocols".into(),
+        Node::File {
+            mode: 0o644,
+            data: read(Path::new("/etc/protocols"))?,
+        },
+    );
     let ca = Path::new(CA_BUNDLE);
     if !ca.exists() {
         bail!("{CA_BUNDLE} is missing: install Debian's ca-certificates (`cargo xtask setup`)");
@@ -153,6 +248,43 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
     );
     e.insert("tmp".into(), Node::Dir { mode: 0o1777 });
     Ok(e)
+}
+
+/// `name` from the host's sbin directories (Debian packages iptables and nftables).
+fn host_tool(name: &str) -> Result<PathBuf> {
+    ["/usr/sbin", "/sbin", "/usr/bin"]
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+        .with_context(|| {
+            format!(
+                "{name} is missing: the image carries the host's iptables and nft for the \
+                 kube-proxy takeover; install Debian's iptables and nftables (`cargo xtask setup`)"
+            )
+        })
+}
+
+/// The iptables and ip6tables match and target modules, sorted.
+fn xtables_modules() -> Result<Vec<PathBuf>> {
+    let dir = Path::new(XTABLES_MODULES);
+    let mut out = Vec::new();
+    for entry in fs::read_dir(dir).with_context(|| {
+        format!(
+            "reading {}: install Debian's iptables (`cargo xtask setup`)",
+            dir.display()
+        )
+    })? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name.ends_with(".so") && XTABLES_MODULE_PREFIXES.iter().any(|p| name.starts_with(p)) {
+            out.push(path);
+        }
+    }
+    if out.is_empty() {
+        bail!("{} has no iptables modules", dir.display());
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// The libraries and the loader `ldd` resolves for `bin` (none when it is static).
@@ -181,7 +313,7 @@ fn parse_ldd(text: &str) -> Result<Vec<PathBuf>> {
     let mut libs = Vec::new();
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
         if line.contains("=> not found") {
-            bail!("ldd: a library of ferry is missing on this machine: {line}");
+            bail!("ldd: a library the image needs is missing on this machine: {line}");
         }
         // `name => /path (0x...)` or `/path/to/ld.so (0x...)`; vdso has no path.
         let path = match line.split_once("=>") {
@@ -221,6 +353,13 @@ pub(crate) fn tar(entries: &BTreeMap<String, Node>, mtime: u64) -> Vec<u8> {
                 out.extend_from_slice(data);
                 out.resize(out.len().next_multiple_of(512), 0);
             }
+            Node::Symlink { target } => {
+                let mut h = header(path, 0o777, 0, b'2', mtime);
+                assert!(target.len() <= 100, "symlink target too long: {target}");
+                h[157..157 + target.len()].copy_from_slice(target.as_bytes());
+                set_checksum(&mut h);
+                out.extend_from_slice(&h);
+            }
         }
     }
     // Two zero blocks end the archive.
@@ -253,12 +392,16 @@ fn header(path: &str, mode: u32, size: u64, kind: u8, mtime: u64) -> [u8; 512] {
     octal(&mut h[329..337], 0);
     octal(&mut h[337..345], 0);
     h[345..345 + prefix.len()].copy_from_slice(prefix.as_bytes());
-    // The checksum is computed with its own field as spaces.
+    set_checksum(&mut h);
+    h
+}
+
+/// The checksum is computed with its own field as spaces.
+fn set_checksum(h: &mut [u8; 512]) {
     h[148..156].fill(b' ');
     let sum: u32 = h.iter().map(|&b| b as u32).sum();
     let s = format!("{sum:06o}\0 ");
     h[148..156].copy_from_slice(s.as_bytes());
-    h
 }
 
 /// Zero-padded octal, NUL-terminated, filling the field.
@@ -405,6 +548,12 @@ mod tests {
             },
         );
         e.insert("tmp".to_string(), Node::Dir { mode: 0o1777 });
+        e.insert(
+            "usr/sbin/iptables-nft-save".to_string(),
+            Node::Symlink {
+                target: "xtables-nft-multi".into(),
+            },
+        );
         e
     }
 
@@ -428,13 +577,19 @@ mod tests {
                 blank.iter().map(|&b| b as u32).sum::<u32>(),
                 "checksum"
             );
+            let link = field(157..257);
             out.push(format!(
-                "{} {} uid={} mtime={} {}",
+                "{} {} uid={} mtime={} {}{}",
                 h[156] as char,
                 field(100..107),
                 field(108..115),
                 u64::from_str_radix(&field(136..147), 8).unwrap(),
-                field(0..100)
+                field(0..100),
+                if link.is_empty() {
+                    String::new()
+                } else {
+                    format!(" -> {link}")
+                }
             ));
             off += 512 + size.next_multiple_of(512);
         }
@@ -454,6 +609,8 @@ mod tests {
                 "5 0000755 uid=0000000 mtime=0 usr/local/",
                 "5 0000755 uid=0000000 mtime=0 usr/local/bin/",
                 "0 0000755 uid=0000000 mtime=0 usr/local/bin/ferry",
+                "5 0000755 uid=0000000 mtime=0 usr/sbin/",
+                "2 0000777 uid=0000000 mtime=0 usr/sbin/iptables-nft-save -> xtables-nft-multi",
             ]
         );
         assert_eq!(t.len() % 512, 0);
