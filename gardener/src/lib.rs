@@ -1,0 +1,17 @@
+//! The Gardener networking extension for type `ferry`. It runs in the seed, serves the
+//! `Network` resources of shoots with `spec.networking.type: ferry`, and deploys ferry into
+//! each shoot through a `ManagedResource`. See `docs/gardener.md`.
+//!
+//! Pure parts first, one concern each, with the I/O in `controller` only:
+//! `types` (what is read and written), `config` (ferry's providerConfig), `decide` (who
+//! routes Services, which IP families), `render` (the shoot manifests from
+//! `deploy/ferry.yaml`), `managed` (the Secret and ManagedResource), `operation` (which
+//! operation a Network asks for) and `status` (the status patch).
+
+pub mod config;
+pub mod decide;
+pub mod managed;
+pub mod operation;
+pub mod render;
+pub mod status;
+pub mod types;
