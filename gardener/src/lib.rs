@@ -6,9 +6,11 @@
 //! `types` (what is read and written), `config` (ferry's providerConfig), `decide` (who
 //! routes Services, which IP families), `render` (the shoot manifests from
 //! `deploy/ferry.yaml`), `managed` (the Secret and ManagedResource), `operation` (which
-//! operation a Network asks for) and `status` (the status patch).
+//! operation a Network asks for) and `status` (the status patch); `controller` holds the
+//! kube-rs loop and the heartbeat, and nothing else.
 
 pub mod config;
+pub mod controller;
 pub mod decide;
 pub mod managed;
 pub mod operation;

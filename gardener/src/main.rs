@@ -1,7 +1,43 @@
-//! `gardener-extension-ferry`: the controller comes in the next step; this build holds the
-//! pure parts (rendering, decisions, status) and their tests.
+//! `gardener-extension-ferry`: the Gardener networking extension for type `ferry`, run in
+//! the seed by the chart in `deploy/gardener/`.
 
-fn main() -> std::process::ExitCode {
-    eprintln!("gardener-extension-ferry: the controller is not part of this build yet");
-    std::process::ExitCode::from(2)
+use clap::Parser;
+use ferry_gardener::{controller, render};
+
+#[derive(Parser)]
+#[command(version, about = "Gardener networking extension for type ferry")]
+struct Args {
+    /// The ferry image rendered into the shoots' DaemonSet.
+    #[arg(long, env = "FERRY_IMAGE", default_value_t = render::default_image())]
+    ferry_image: String,
+    /// Namespace of the heartbeat Lease: the one gardenlet installed the extension into.
+    #[arg(long, env = "LEADER_ELECTION_NAMESPACE")]
+    heartbeat_namespace: String,
+    /// The extension's name, the heartbeat Lease's holder.
+    #[arg(long, default_value = "networking-ferry")]
+    extension_name: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    // KUBECONFIG when set, else the in-cluster service account.
+    let client = kube::Client::try_default().await?;
+    tokio::spawn(controller::heartbeat(
+        client.clone(),
+        args.heartbeat_namespace,
+        args.extension_name,
+    ));
+    controller::run(controller::Context {
+        client,
+        ferry_image: args.ferry_image,
+    })
+    .await;
+    Ok(())
 }
