@@ -55,6 +55,8 @@ pub struct AgentConfig {
     /// `--takeover-kube-proxy`: once the first sync is written, remove the rules a
     /// kube-proxy left on this node ([`crate::takeover`]).
     pub takeover_kube_proxy: bool,
+    /// `--pod-network`: CNI configuration, routes between nodes, masquerade.
+    pub pod_network: Option<crate::podnet::PodNetConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -506,7 +508,12 @@ async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
 
 /// Starts the manifests source: the first scan is sent before this returns, so a broken
 /// directory is reported before the first sync.
-fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status: SharedStatus) {
+fn start_manifests(
+    dir: PathBuf,
+    tx: mpsc::UnboundedSender<SourceEvent>,
+    status: SharedStatus,
+    nodes_tx: Option<watch::Sender<crate::podnet::Nodes>>,
+) {
     let mut source = ManifestsSource::new(dir);
     let first = source.rescan();
     status.lock().expect("status lock").source_errors =
@@ -528,6 +535,19 @@ fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status:
     };
     send_all(&tx, &objects);
     let _ = tx.send(SourceEvent::Synced);
+    let send_nodes = move |o: &source::Objects| {
+        if let Some(ntx) = &nodes_tx {
+            let nodes = crate::podnet::nodes_of(o);
+            ntx.send_if_modified(|cur| {
+                let changed = **cur != nodes;
+                if changed {
+                    *cur = Arc::new(nodes);
+                }
+                changed
+            });
+        }
+    };
+    send_nodes(&objects);
     let (wtx, mut wrx) = watch::channel(objects);
     tokio::spawn(source::manifests::watch_with(
         source,
@@ -542,6 +562,7 @@ fn start_manifests(dir: PathBuf, tx: mpsc::UnboundedSender<SourceEvent>, status:
         while wrx.changed().await.is_ok() {
             let o = wrx.borrow_and_update().clone();
             send_all(&tx, &o);
+            send_nodes(&o);
         }
     });
 }
@@ -599,9 +620,19 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     // The source starts after the programs are loaded: the kernel's BTF, parsed while
     // loading, is freed before the first list fills memory, which keeps the peak down.
     let (tx, mut rx) = mpsc::unbounded_channel();
+    let nodes_tx = cfg.pod_network.clone().map(|pn| {
+        let (ntx, nrx) = watch::channel(crate::podnet::Nodes::default());
+        tokio::spawn(crate::podnet::run(pn, nrx, status.clone()));
+        ntx
+    });
     match (&cfg.source, client) {
-        (SourceConfig::Manifests(dir), _) => start_manifests(dir.clone(), tx, status.clone()),
+        (SourceConfig::Manifests(dir), _) => {
+            start_manifests(dir.clone(), tx, status.clone(), nodes_tx)
+        }
         (SourceConfig::Kube { .. }, Some(client)) => {
+            if let Some(ntx) = nodes_tx {
+                tokio::spawn(source::kube::watch_nodes(client.clone(), ntx));
+            }
             tokio::spawn(source::kube::run(client, cfg.node_name.clone(), tx));
         }
         (SourceConfig::Kube { .. }, None) => unreachable!("client built above"),

@@ -273,6 +273,18 @@ fn metrics(s: &Status) -> String {
             s.takeover_rules_removed as f64,
         );
     }
+    if let Some(routes) = s.podnet_routes {
+        m.gauge(
+            "ferry_pod_network_routes",
+            "Routes to other nodes' pod CIDRs the pod network wants (--pod-network).",
+            routes as f64,
+        );
+        m.gauge(
+            "ferry_pod_network_problems",
+            "Problems of the pod network's last reconcile (each is in the log).",
+            s.podnet_errors as f64,
+        );
+    }
     m.counter(
         "ferry_map_write_failures_total",
         "Map writes that failed.",

@@ -5,7 +5,9 @@
 //! - [`dataplane`] is the only code that touches BPF maps and programs;
 //! - [`agent`] runs the sync loop; [`http`] serves health and metrics; [`list`] renders
 //!   the live maps for `ferry list`; [`explain`] answers `ferry explain`; [`takeover`]
-//!   removes the rules a kube-proxy left behind.
+//!   removes the rules a kube-proxy left behind;
+//! - [`podnet`] is the pod network of `--pod-network`: CNI configuration, routes between
+//!   nodes, masquerade.
 
 pub mod agent;
 pub mod dataplane;
@@ -16,6 +18,7 @@ pub mod http;
 pub mod list;
 pub mod model;
 pub mod node;
+pub mod podnet;
 pub mod source;
 pub mod status;
 pub mod takeover;

@@ -151,6 +151,35 @@ struct AgentArgs {
     /// kube-proxy was still running and wrote its rules back.
     #[arg(long)]
     takeover_kube_proxy: bool,
+    /// Run the pod network too: write the CNI configuration once this node's Node has
+    /// spec.podCIDRs, install the ferry-cni plugin, route to every other node's pod CIDRs
+    /// via its InternalIP, and masquerade pod traffic leaving the cluster
+    /// (docs/pod-network.md). Nodes come from the same source as Services.
+    #[arg(long)]
+    pod_network: bool,
+    /// Where the container runtime reads CNI configurations (--pod-network).
+    #[arg(long, default_value = "/etc/cni/net.d")]
+    cni_conf_dir: PathBuf,
+    /// Where the container runtime finds CNI plugins (--pod-network).
+    #[arg(long, default_value = "/opt/cni/bin")]
+    cni_bin_dir: PathBuf,
+    /// The plugin's address store, written into the CNI configuration (--pod-network).
+    #[arg(long, default_value = "/var/lib/ferry/cni")]
+    cni_data_dir: PathBuf,
+    /// The ferry-cni binary to install (default: the one next to this executable).
+    #[arg(long)]
+    cni_plugin: Option<PathBuf>,
+    /// MTU of the node's network; pods get it (--pod-network).
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(1280..=65535))]
+    mtu: u32,
+    /// Masquerade pod traffic to destinations outside the cluster (--pod-network). Turn
+    /// off where the infrastructure routes pod CIDRs natively.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    masquerade: bool,
+    /// Destinations that keep the pod's source address besides the cluster's pod CIDRs
+    /// and node addresses (e.g. the Service CIDR or peered networks).
+    #[arg(long, value_delimiter = ',')]
+    no_masquerade_cidrs: Vec<String>,
 }
 
 /// A usage or configuration error: exit code 2.
@@ -282,9 +311,42 @@ fn run_agent(a: AgentArgs) -> Result<()> {
     }
     let devices = tc_devices(&a.devices, node_ips.as_deref())?;
     tracing::info!(devices = ?devices, "tc devices");
+    let node_name = a.node_name.unwrap_or_else(node::hostname);
+    let pod_network = if a.pod_network {
+        let mut no_masquerade = Vec::new();
+        for text in &a.no_masquerade_cidrs {
+            no_masquerade.push(text.parse().map_err(|e| {
+                usage(format!(
+                    "--no-masquerade-cidrs: {text:?} is not a CIDR ({e})"
+                ))
+            })?);
+        }
+        let plugin = a
+            .cni_plugin
+            .clone()
+            .unwrap_or_else(ferry::podnet::install::default_plugin);
+        if !plugin.is_file() {
+            return Err(usage(format!(
+                "--pod-network: the CNI plugin {} does not exist (build it with `cargo xtask build`, or give --cni-plugin)",
+                plugin.display()
+            )));
+        }
+        Some(ferry::podnet::PodNetConfig {
+            node_name: node_name.clone(),
+            cni_conf_dir: a.cni_conf_dir.clone(),
+            cni_bin_dir: a.cni_bin_dir.clone(),
+            cni_data_dir: a.cni_data_dir.clone(),
+            plugin,
+            mtu: a.mtu,
+            masquerade: a.masquerade,
+            no_masquerade,
+        })
+    } else {
+        None
+    };
     let cfg = AgentConfig {
         source,
-        node_name: a.node_name.unwrap_or_else(node::hostname),
+        node_name,
         node_ips,
         nodeport_addresses,
         load: LoadOptions {
@@ -302,6 +364,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         health_addr: a.health_addr,
         metrics_addr: a.metrics_addr,
         takeover_kube_proxy: a.takeover_kube_proxy,
+        pod_network,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -70,6 +70,10 @@ pub struct Status {
     pub takeover_failed: Option<bool>,
     pub takeover_chains_removed: u64,
     pub takeover_rules_removed: u64,
+    /// `--pod-network`: routes to other nodes' pod CIDRs (None when it is off or has not
+    /// run yet), and the problems of its last reconcile.
+    pub podnet_routes: Option<u64>,
+    pub podnet_errors: u64,
 }
 
 pub type SharedStatus = Arc<Mutex<Status>>;
@@ -196,6 +200,8 @@ impl Default for Status {
             takeover_failed: None,
             takeover_chains_removed: 0,
             takeover_rules_removed: 0,
+            podnet_routes: None,
+            podnet_errors: 0,
         }
     }
 }

@@ -8,7 +8,7 @@ use crate::{
     config::{Attachment, Env, NetConf},
     error::{self, Error, Result},
     ipam::Cidr,
-    netlink::{Link, Netlink, RT_SCOPE_LINK, RT_SCOPE_UNIVERSE, Route},
+    netlink::{Link, Netlink, RT_SCOPE_LINK, RT_SCOPE_UNIVERSE, RTPROT_STATIC, Route},
     plan::{default_dst, gateway, host_address, host_veth_name},
     result::{Interface, PodAddress, add_result, mac_string},
     store::Store,
@@ -140,12 +140,14 @@ fn pod_routes(index: i32, a: &PodAddress) -> [Route; 2] {
             gateway: None,
             oif: Some(index),
             scope: RT_SCOPE_LINK,
+            protocol: RTPROT_STATIC,
         },
         Route {
             dst: default_dst(a.ip.is_ipv4()),
             gateway: Some(a.gateway),
             oif: Some(index),
             scope: RT_SCOPE_UNIVERSE,
+            protocol: RTPROT_STATIC,
         },
     ]
 }
@@ -157,6 +159,7 @@ fn host_route(index: i32, pod: IpAddr) -> Route {
         gateway: None,
         oif: Some(index),
         scope: RT_SCOPE_LINK,
+        protocol: RTPROT_STATIC,
     }
 }
 

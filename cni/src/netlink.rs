@@ -40,6 +40,7 @@ const RTM_GETLINK: u16 = 18;
 const RTM_NEWADDR: u16 = 20;
 const RTM_GETADDR: u16 = 22;
 const RTM_NEWROUTE: u16 = 24;
+const RTM_DELROUTE: u16 = 25;
 const RTM_GETROUTE: u16 = 26;
 
 const IFLA_ADDRESS: u16 = 1;
@@ -63,7 +64,7 @@ const RTA_GATEWAY: u16 = 5;
 const RTA_TABLE: u16 = 15;
 const RT_TABLE_MAIN: u8 = 254;
 /// Routes the plugin makes are `proto static`.
-const RTPROT_STATIC: u8 = 4;
+pub const RTPROT_STATIC: u8 = 4;
 const RTN_UNICAST: u8 = 1;
 pub const RT_SCOPE_UNIVERSE: u8 = 0;
 pub const RT_SCOPE_LINK: u8 = 253;
@@ -115,6 +116,9 @@ pub struct Route {
     pub gateway: Option<IpAddr>,
     pub oif: Option<i32>,
     pub scope: u8,
+    /// Who made it (`RTPROT_*`): the agent marks its routes between nodes with its own
+    /// number, so that it never touches routes it did not make.
+    pub protocol: u8,
 }
 
 pub struct Netlink {
@@ -274,16 +278,27 @@ impl Netlink {
         self.transact(m).map(drop)
     }
 
+    /// Deletes a route of the main table; `false` when it was not there.
+    pub fn delete_route(&mut self, r: &Route) -> NlResult<bool> {
+        let mut m = Msg::new(RTM_DELROUTE, NLM_F_REQUEST | NLM_F_ACK);
+        route_body(&mut m, r);
+        match self.transact(m) {
+            Ok(_) => Ok(true),
+            Err(e) if e.errno == libc::ESRCH => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The routes of the main table, both families.
     pub fn routes(&mut self) -> NlResult<Vec<Route>> {
         let mut m = Msg::new(RTM_GETROUTE, NLM_F_REQUEST | NLM_F_DUMP);
-        m.rtmsg(libc::AF_UNSPEC as u8, 0, 0, 0, 0);
+        m.rtmsg(libc::AF_UNSPEC as u8, 0, 0, 0, 0, 0);
         let mut out = Vec::new();
         for r in self.transact(m)? {
             if r.len() < 12 {
                 continue;
             }
-            let (fam, dst_len, table, scope) = (r[0], r[1], r[4], r[6]);
+            let (fam, dst_len, table, protocol, scope) = (r[0], r[1], r[4], r[5], r[6]);
             let attrs = attrs(&r[12..]);
             let get = |t| attrs.iter().find(|(k, _)| *k == t).map(|(_, v)| *v);
             let table = get(RTA_TABLE)
@@ -304,6 +319,7 @@ impl Netlink {
                 gateway: get(RTA_GATEWAY).and_then(ip),
                 oif: get(RTA_OIF).and_then(|v| v.try_into().ok().map(i32::from_ne_bytes)),
                 scope,
+                protocol,
             });
         }
         Ok(out)
@@ -397,6 +413,7 @@ fn route_body(m: &mut Msg, r: &Route) {
         family(r.dst.addr),
         r.dst.prefix,
         RT_TABLE_MAIN,
+        r.protocol,
         r.scope,
         RTN_UNICAST,
     );
@@ -505,9 +522,8 @@ impl Msg {
         self.buf.extend_from_slice(&(index as u32).to_ne_bytes());
     }
 
-    /// `struct rtmsg`: routes of a table are `proto static`; a dump (table 0) has none.
-    fn rtmsg(&mut self, family: u8, dst_len: u8, table: u8, scope: u8, kind: u8) {
-        let proto = if table == 0 { 0 } else { RTPROT_STATIC };
+    /// `struct rtmsg`.
+    fn rtmsg(&mut self, family: u8, dst_len: u8, table: u8, proto: u8, scope: u8, kind: u8) {
         self.buf
             .extend_from_slice(&[family, dst_len, 0, 0, table, proto, scope, kind]);
         self.buf.extend_from_slice(&0u32.to_ne_bytes());

@@ -44,6 +44,7 @@ use std::{
 
 use crate::world::{
     Outcome, bin, cgroup2_mount, eventually, http_get, require_kernel, sh, sh_quiet, spawn_in,
+    start_testsrv,
 };
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -140,6 +141,18 @@ impl Cluster {
     /// `pods_per_node[k]` pods on node `k+1`, each serving `ports` (TCP and UDP), and
     /// two external clients. No agent runs yet: see [`Cluster::start_agents`].
     pub fn new(test: &str, pods_per_node: &[usize], ports: &[u16]) -> Cluster {
+        Self::build(test, pods_per_node, ports, true)
+    }
+
+    /// `nodes` nodes on the LAN without pods and without routes to each other's pod
+    /// CIDRs: for the pod network (`ferry agent --pod-network`), which routes them, and
+    /// [`Cluster::add_cni_pod`], which wires pods through the CNI plugin. Clients have no
+    /// route to any pod CIDR (they stand for the internet).
+    pub fn new_bare(test: &str, nodes: usize) -> Cluster {
+        Self::build(test, &vec![0; nodes], &[], false)
+    }
+
+    fn build(test: &str, pods_per_node: &[usize], ports: &[u16], pod_routes: bool) -> Cluster {
         require_kernel();
         let id = format!(
             "fc{}{}",
@@ -203,6 +216,9 @@ impl Cluster {
             });
             netns_sysctls(&netns, false);
             c.plug(&netns, &format!("c{i}"), client_v4(i), client_v6(i));
+        }
+        if !pod_routes {
+            return c;
         }
         // Pod CIDRs: every node and client routes the other nodes' pods via their node.
         let cidrs: Vec<(usize, String)> = (1..=c.nodes.len())
@@ -271,18 +287,108 @@ impl Cluster {
              ip -n {netns} -6 route add fd00:201:{n}::1/128 dev eth0 && \
              ip -n {netns} -6 route add default via fd00:201:{n}::1 dev eth0"
         ));
-        let mut cmd = Command::new(bin("ferry-testsrv"));
-        cmd.arg(&name)
-            .args(ports.iter().map(|p| p.to_string()))
+        self.pods.last_mut().unwrap().server = Some(start_testsrv(&netns, &name, ports));
+    }
+
+    /// Node `n`'s pod CIDRs under the pod network: 10.202.N.0/24 and fd00:202:N::/64.
+    pub fn cni_pod_cidrs(n: usize) -> (String, String) {
+        (format!("10.202.{n}.0/24"), format!("fd00:202:{n}::/64"))
+    }
+
+    /// The Node object of node `n` for the pod network (pod CIDRs, InternalIPs).
+    pub fn node_manifest(&self, n: usize) -> String {
+        let (v4, v6) = Self::cni_pod_cidrs(n);
+        let node = self.node(n);
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\nspec:\n  podCIDR: {v4}\n  podCIDRs: [{v4}, \"{v6}\"]\nstatus:\n  addresses:\n  - {{type: InternalIP, address: {}}}\n  - {{type: InternalIP, address: \"{}\"}}\n  - {{type: Hostname, address: {}}}\n",
+            node.name, node.v4, node.v6, node.name
+        )
+    }
+
+    /// Node `n`'s CNI directories: (configuration, plugins, address store).
+    pub fn cni_dirs(&self, n: usize) -> (PathBuf, PathBuf, PathBuf) {
+        let d = self.workdir.join(format!("cni-n{n}"));
+        (d.join("net.d"), d.join("bin"), d.join("data"))
+    }
+
+    /// The agent flags that run node `n`'s pod network in its CNI directories.
+    pub fn pod_network_args(&self, n: usize) -> Vec<String> {
+        let (conf, bin_dir, data) = self.cni_dirs(n);
+        vec![
+            "--pod-network".into(),
+            format!("--cni-conf-dir={}", conf.display()),
+            format!("--cni-bin-dir={}", bin_dir.display()),
+            format!("--cni-data-dir={}", data.display()),
+            format!("--cni-plugin={}", bin("ferry-cni").display()),
+        ]
+    }
+
+    /// A pod on node `n` wired as a container runtime would: its network namespace,
+    /// then the plugin named by the agent's CNI configuration, run from the node's CNI
+    /// bin directory with the CNI_* environment and that configuration on stdin. It
+    /// serves `ports` like the other pods. Its addresses are the plugin's result.
+    pub fn add_cni_pod(&mut self, n: usize, name: &str, ports: &[u16]) -> &ClusterPod {
+        let netns = format!("{}-{name}", self.id);
+        let node_ns = self.nodes[n - 1].netns.clone();
+        let (conf_dir, bin_dir, _) = self.cni_dirs(n);
+        let list: serde_json::Value = serde_json::from_str(
+            &fs::read_to_string(conf_dir.join("10-ferry.conflist"))
+                .unwrap_or_else(|e| panic!("node{n} has no CNI configuration yet: {e}")),
+        )
+        .expect("conflist is JSON");
+        let mut conf = list["plugins"][0].clone();
+        conf["cniVersion"] = list["cniVersion"].clone();
+        conf["name"] = list["name"].clone();
+        let plugin = bin_dir.join(conf["type"].as_str().expect("plugin type"));
+        sh(&format!("ip netns add {netns}"));
+        // Register before configuring, so that a failure below still removes it.
+        self.pods.push(ClusterPod {
+            name: name.to_string(),
+            node: n,
+            netns: netns.clone(),
+            v4: Ipv4Addr::UNSPECIFIED,
+            v6: Ipv6Addr::UNSPECIFIED,
+            server: None,
+        });
+        sh(&format!("ip -n {netns} link set lo up"));
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &node_ns])
+            .arg(&plugin)
+            .env("CNI_COMMAND", "ADD")
+            .env("CNI_CONTAINERID", format!("{}-{name}", self.id))
+            .env("CNI_NETNS", format!("/var/run/netns/{netns}"))
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", &bin_dir)
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        let mut child = spawn_in(&netns, None, &mut cmd);
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("testsrv ready line");
-        self.pods.last_mut().unwrap().server = Some(child);
-        assert_eq!(line.trim(), "ready", "test server in {netns} did not start");
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("running {}: {e}", plugin.display()));
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(conf.to_string().as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let result = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "CNI ADD of {name} on node{n} failed: {result} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let result: serde_json::Value = serde_json::from_str(&result).expect("CNI result");
+        for ip in result["ips"].as_array().expect("result ips") {
+            let addr = ip["address"].as_str().unwrap();
+            let host = addr.split('/').next().unwrap();
+            let pod = self.pods.last_mut().unwrap();
+            match host.parse::<IpAddr>().unwrap() {
+                IpAddr::V4(a) => pod.v4 = a,
+                IpAddr::V6(a) => pod.v6 = a,
+            }
+        }
+        self.pods.last_mut().unwrap().server = Some(start_testsrv(&netns, name, ports));
+        self.pods.last().unwrap()
     }
 
     /// Runs `ferry-testsrv NAME PORT...` in node `n`'s own namespace, outside any agent

@@ -275,17 +275,7 @@ impl World {
              ip -n {netns} route add default via 10.1.{i}.1 && ip -n {netns} -6 route add default via fd00:1:{i}::1",
             node = self.node_ns
         ));
-        let mut cmd = Command::new(bin("ferry-testsrv"));
-        cmd.arg(&name)
-            .args(ports.iter().map(|p| p.to_string()))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        let mut child = spawn_in(&netns, None, &mut cmd);
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("testsrv ready line");
-        assert_eq!(line.trim(), "ready", "test server in {netns} did not start");
+        let child = start_testsrv(&netns, &name, ports);
         self.pods.push(Pod {
             name,
             netns,
@@ -712,4 +702,23 @@ pub fn write_manifest(dir: &Path, file: &str, content: &str) {
 
 pub fn remove_manifest(dir: &Path, file: &str) {
     fs::remove_file(dir.join(file)).expect("remove manifest");
+}
+
+/// `ferry-testsrv NAME PORT...` in `netns` (in no agent cgroup), once it says it is
+/// ready; killed here if it does not.
+pub fn start_testsrv(netns: &str, name: &str, ports: &[u16]) -> Child {
+    let mut cmd = Command::new(bin("ferry-testsrv"));
+    cmd.arg(name)
+        .args(ports.iter().map(|p| p.to_string()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = spawn_in(netns, None, &mut cmd);
+    let mut line = String::new();
+    let read = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    if read.is_err() || line.trim() != "ready" {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("test server {name} in {netns} did not start: {read:?} {line:?}");
+    }
+    child
 }

@@ -3,7 +3,8 @@
 //! The archive `target/image/ferry-<version>.oci.tar` is an OCI image layout (oci-layout,
 //! index.json, blobs/sha256/...) in a plain tar, plus Docker's `manifest.json` so that
 //! `docker load` and older importers read it too. It holds one gzip layer with:
-//! - `/usr/local/bin/ferry` (the entrypoint),
+//! - `/usr/local/bin/ferry` (the entrypoint) and `/usr/local/bin/ferry-cni` (the CNI
+//!   plugin that `ferry agent --pod-network` installs on the node),
 //! - the shared libraries `ldd` lists for it, at the paths `ldd` prints, and the dynamic
 //!   loader (ferry links glibc dynamically),
 //! - `/etc/ssl/certs/ca-certificates.crt` from the host (Debian `ca-certificates`),
@@ -166,7 +167,22 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
             data: read(bin)?,
         },
     );
-    let mut needs_libraries = vec![bin.to_path_buf()];
+    // The CNI plugin `ferry agent --pod-network` installs on the node, from next to it.
+    let cni = bin.with_file_name("ferry-cni");
+    if !cni.exists() {
+        bail!(
+            "{} is missing: run `cargo xtask build` first",
+            cni.display()
+        );
+    }
+    e.insert(
+        "usr/local/bin/ferry-cni".into(),
+        Node::File {
+            mode: 0o755,
+            data: read(&cni)?,
+        },
+    );
+    let mut needs_libraries = vec![bin.to_path_buf(), cni];
     for (multi, names) in XTABLES_MULTI {
         let path = host_tool(multi)?;
         e.insert(

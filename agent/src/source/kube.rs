@@ -704,6 +704,63 @@ fn step<K>(buffer: &mut Vec<K>, change: Change<K>) -> Option<Step<K>> {
     }
 }
 
+/// Every Node of the cluster, for the pod network (`--pod-network`): the complete set is
+/// sent after each initial list and whenever a Node's pod CIDRs or InternalIPs change
+/// (status heartbeats and other fields change nothing, and send nothing). Runs until
+/// the receiver is gone; errors are retried with the watcher's backoff.
+pub async fn watch_nodes(client: Client, tx: tokio::sync::watch::Sender<crate::podnet::Nodes>) {
+    use std::collections::BTreeMap;
+
+    use crate::podnet::plan::NodeLite;
+
+    let api: Api<Node> = Api::all(client);
+    let mut stream = watch(api, watcher::Config::default());
+    let mut nodes: BTreeMap<String, NodeLite> = BTreeMap::new();
+    let mut listing: Option<BTreeMap<String, NodeLite>> = None;
+    let lite = |n: &Node| {
+        let (lite, problems) = NodeLite::from_node(n);
+        for p in problems {
+            tracing::warn!("pod network: node {}: {}", p.node, p.message);
+        }
+        lite
+    };
+    while let Some(item) = stream.next().await {
+        let changed = match item {
+            Err(err) => {
+                tracing::warn!("pod network: watching Nodes: {err}");
+                false
+            }
+            Ok(watcher::Event::Init) => {
+                listing = Some(BTreeMap::new());
+                false
+            }
+            Ok(watcher::Event::InitApply(n)) => {
+                let l = lite(&n);
+                listing.get_or_insert_default().insert(l.name.clone(), l);
+                false
+            }
+            Ok(watcher::Event::InitDone) => {
+                let fresh = listing.take().unwrap_or_default();
+                let changed = fresh != nodes;
+                nodes = fresh;
+                changed || tx.borrow().is_empty()
+            }
+            Ok(watcher::Event::Apply(n)) => {
+                let l = lite(&n);
+                nodes.insert(l.name.clone(), l.clone()) != Some(l)
+            }
+            Ok(watcher::Event::Delete(n)) => n
+                .metadata
+                .name
+                .as_ref()
+                .is_some_and(|name| nodes.remove(name).is_some()),
+        };
+        if changed && tx.send(std::sync::Arc::new(nodes.clone())).is_err() {
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,4 +1,5 @@
-//! The `--manifests DIR` source: Services and EndpointSlices read from files.
+//! The `--manifests DIR` source: Services and EndpointSlices read from files, and Nodes
+//! (for `--pod-network`, which routes to their pod CIDRs).
 //!
 //! Every `*.yaml`, `*.yml` and `*.json` file directly in DIR is parsed (multi-document
 //! YAML, JSON, or a `kind: List`), exactly as `kubectl get -o yaml|json` writes objects.
@@ -16,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::Resource as _;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::DeserializeOwned;
@@ -467,6 +469,7 @@ struct Found {
 enum Object {
     Service(Box<Service>),
     Slice(Box<EndpointSlice>),
+    Node(Box<Node>),
 }
 
 impl Found {
@@ -474,6 +477,7 @@ impl Found {
         match self.object {
             Object::Service(_) => "Service",
             Object::Slice(_) => "EndpointSlice",
+            Object::Node(_) => "Node",
         }
     }
 }
@@ -697,6 +701,12 @@ fn objects_of(at: &Position, value: Value, item: &str) -> Result<Vec<Found>, Man
         Some("List") if item.is_empty() => return list_items(at, map, &what),
         Some("Service") => Object::Service(Box::new(decode_object(at, map, &what)?)),
         Some("EndpointSlice") => Object::Slice(Box::new(decode_object(at, map, &what)?)),
+        Some("Node") => {
+            check_api_version(at, &map, Node::API_VERSION, &what)?;
+            let node: Node = serde_json::from_value(Value::Object(map))
+                .map_err(|err| object_error(at, &what, &err.to_string()))?;
+            Object::Node(Box::new(node))
+        }
         Some(kind) => {
             tracing::debug!(file = %at, kind, "manifests: ignoring an object of a kind ferry does not use");
             return Ok(Vec::new());
@@ -712,9 +722,18 @@ fn objects_of(at: &Position, value: Value, item: &str) -> Result<Vec<Found>, Man
     let meta = match &found {
         Object::Service(service) => &service.metadata,
         Object::Slice(slice) => &slice.metadata,
+        Object::Node(node) => &node.metadata,
     };
-    let key = ObjectKey::from_meta(meta)
-        .ok_or_else(|| object_error(at, &what, "metadata.name is missing"))?;
+    let key = match &found {
+        // Cluster-scoped: no namespace.
+        Object::Node(_) => meta
+            .name
+            .as_deref()
+            .filter(|n| !n.is_empty())
+            .map(|n| ObjectKey::new("", n)),
+        _ => ObjectKey::from_meta(meta),
+    }
+    .ok_or_else(|| object_error(at, &what, "metadata.name is missing"))?;
     Ok(vec![Found {
         key,
         line: at.line,
@@ -837,6 +856,11 @@ fn merge(files: &BTreeMap<PathBuf, FileState>) -> (Objects, Vec<ManifestError>) 
                     objects
                         .slices
                         .insert(found.key.clone(), EndpointSlice::clone(slice));
+                }
+                Object::Node(node) => {
+                    objects
+                        .nodes
+                        .insert(found.key.name.clone(), Node::clone(node));
                 }
             }
         }
@@ -1093,6 +1117,21 @@ metadata:
         );
         assert!(fx.scan_ok());
         assert_eq!(fx.keys(), (strs(&["shop/web"]), vec![]));
+    }
+
+    #[test]
+    fn nodes_are_read_by_name_for_the_pod_network() {
+        let mut fx = Fixture::new();
+        let node = "apiVersion: v1\nkind: Node\nmetadata:\n  name: n1\nspec:\n  podCIDRs: [10.244.1.0/24]\nstatus:\n  addresses:\n  - {type: InternalIP, address: 192.168.0.1}\n";
+        fx.write("nodes.yaml", &format!("{node}---\n{SERVICE_WEB}"));
+        assert!(fx.scan_ok());
+        let objects = fx.src.objects();
+        assert_eq!(objects.nodes.keys().collect::<Vec<_>>(), ["n1"]);
+        assert_eq!(objects.nodes["n1"].metadata.namespace, None);
+        assert_eq!(fx.keys(), (strs(&["shop/web"]), vec![]));
+        // A Node without a name is an error like any object's.
+        fx.write("nodes.yaml", "apiVersion: v1\nkind: Node\nmetadata: {}\n");
+        assert!(fx.scan_err().contains("metadata.name is missing"));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -52,6 +52,8 @@ impl fmt::Display for ObjectKey {
 pub struct Objects {
     pub services: BTreeMap<ObjectKey, Service>,
     pub slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// Nodes by name (cluster-scoped), for the pod network.
+    pub nodes: BTreeMap<String, Node>,
 }
 
 impl Objects {

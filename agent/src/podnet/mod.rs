@@ -1,0 +1,257 @@
+//! The pod network of this node (`ferry agent --pod-network`), next to Service routing:
+//! - the CNI configuration `10-ferry.conflist` in `--cni-conf-dir`, written once this
+//!   node's Node has pod CIDRs (a runtime starts no pod before it is there), and the
+//!   `ferry-cni` plugin installed into `--cni-bin-dir`, both atomically;
+//! - one route per other node's pod CIDR via that node's InternalIP (native routing:
+//!   the nodes share a link), removed when the node goes ([`routes`]);
+//! - masquerading of pod traffic to anything outside the cluster's pod CIDRs, the node
+//!   addresses and `--no-masquerade-cidrs` (one nft table per family, [`masq`]), unless
+//!   `--masquerade=false`;
+//! - IP forwarding on, for the families the node has pod CIDRs of.
+//!
+//! It runs on its own: fed the cluster's Nodes (from the API or the manifests
+//! directory), it reconciles on every change and every [`RESYNC`] (so that a route
+//! someone deleted comes back), on a blocking thread. Problems are logged when they
+//! change, never per tick, and counted in /metrics.
+
+pub mod install;
+pub mod masq;
+pub mod plan;
+pub mod routes;
+
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
+
+use tokio::sync::watch;
+use tracing::{error, info, warn};
+
+use crate::{model::Cidr, status::SharedStatus};
+use plan::{NodeLite, PodNetPlan};
+
+/// How often the node's routes, files and rules are checked again without a change.
+pub const RESYNC: Duration = Duration::from_secs(30);
+
+#[derive(Clone, Debug)]
+pub struct PodNetConfig {
+    pub node_name: String,
+    pub cni_conf_dir: PathBuf,
+    pub cni_bin_dir: PathBuf,
+    /// The plugin's address store (`dataDir` in the configuration).
+    pub cni_data_dir: PathBuf,
+    /// The plugin binary to install (default: `ferry-cni` next to the agent).
+    pub plugin: PathBuf,
+    pub mtu: u32,
+    pub masquerade: bool,
+    /// Destinations that keep the pod's address besides the cluster's pod CIDRs and
+    /// node addresses (e.g. the Service CIDR, networks routed to pods natively).
+    pub no_masquerade: Vec<Cidr>,
+}
+
+/// The cluster's Nodes as the pod network sees them, by name.
+pub type Nodes = Arc<BTreeMap<String, NodeLite>>;
+
+/// Runs until `nodes` has no sender left.
+pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: SharedStatus) {
+    let mut state = State::default();
+    let mut tick = tokio::time::interval(RESYNC);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            changed = nodes.changed() => if changed.is_err() { return },
+            _ = tick.tick() => {}
+        }
+        let current = nodes.borrow_and_update().clone();
+        let cfg2 = cfg.clone();
+        let moved = std::mem::take(&mut state);
+        let done = tokio::task::spawn_blocking(move || {
+            let mut state = moved;
+            state.reconcile(&cfg2, &current);
+            state
+        })
+        .await;
+        match done {
+            Ok(s) => state = s,
+            Err(e) => {
+                error!("pod network: reconcile panicked: {e}");
+                continue;
+            }
+        }
+        let mut s = status.lock().expect("status lock");
+        s.podnet_routes = Some(state.routes as u64);
+        s.podnet_errors = state.reported.len() as u64;
+    }
+}
+
+/// What the last reconcile did and reported, to log only changes.
+#[derive(Default)]
+struct State {
+    plugin_installed: bool,
+    conflist: Option<String>,
+    masq_script: Option<String>,
+    forwarding: Vec<&'static str>,
+    routes: usize,
+    /// The problems logged (node problems and failed steps), to log each only once.
+    reported: std::collections::BTreeSet<String>,
+}
+
+impl State {
+    fn reconcile(&mut self, cfg: &PodNetConfig, nodes: &BTreeMap<String, NodeLite>) {
+        let list: Vec<NodeLite> = nodes.values().cloned().collect();
+        let plan = plan::plan(&cfg.node_name, &list, &cfg.no_masquerade);
+        let mut problems: Vec<String> = plan
+            .problems
+            .iter()
+            .map(|p| format!("node {}: {}", p.node, p.message))
+            .collect();
+        if !nodes.contains_key(&cfg.node_name) {
+            problems.push(format!(
+                "no Node named {} (yet): no CNI configuration until it has pod CIDRs",
+                cfg.node_name
+            ));
+        } else if plan.own_cidrs.is_empty() {
+            problems.push(format!(
+                "Node {} has no spec.podCIDRs (yet): no CNI configuration until it has",
+                cfg.node_name
+            ));
+        }
+        self.install_plugin(cfg, &mut problems);
+        self.forwarding(&plan, &mut problems);
+        self.write_conflist(cfg, &plan, &mut problems);
+        match ferry_cni::netlink::Netlink::open() {
+            Ok(mut nl) => {
+                let r = routes::reconcile(&mut nl, &plan.routes);
+                for w in &r.added {
+                    info!(route = %w, "pod network: route to a node's pods");
+                }
+                for d in &r.removed {
+                    info!(dst = %d, "pod network: route removed (its node is gone)");
+                }
+                problems.extend(r.errors);
+            }
+            Err(e) => problems.push(format!("netlink socket: {e}")),
+        }
+        self.routes = plan.routes.len();
+        let script = plan::masquerade_script(cfg.masquerade.then_some(&plan));
+        if self.masq_script.as_deref() != Some(script.as_str()) {
+            match masq::apply(&script) {
+                Ok(()) => {
+                    info!(
+                        masquerade = cfg.masquerade && !plan.own_cidrs.is_empty(),
+                        "pod network: masquerade rules set"
+                    );
+                    self.masq_script = Some(script);
+                }
+                Err(e) => problems.push(format!("masquerade: {e}")),
+            }
+        }
+        let now: std::collections::BTreeSet<String> = problems.into_iter().collect();
+        for p in now.difference(&self.reported) {
+            warn!("pod network: {p}");
+        }
+        if !self.reported.is_empty() && now.is_empty() {
+            info!("pod network: every problem reported before is gone");
+        }
+        self.reported = now;
+    }
+
+    fn install_plugin(&mut self, cfg: &PodNetConfig, problems: &mut Vec<String>) {
+        if self.plugin_installed {
+            return;
+        }
+        let result = std::fs::read(&cfg.plugin)
+            .map_err(|e| format!("reading the CNI plugin {}: {e}", cfg.plugin.display()))
+            .and_then(|bin| {
+                install::write_atomic(&cfg.cni_bin_dir, plan::PLUGIN_TYPE, &bin, 0o755).map_err(
+                    |e| {
+                        format!(
+                            "installing the CNI plugin into {}: {e}",
+                            cfg.cni_bin_dir.display()
+                        )
+                    },
+                )
+            });
+        match result {
+            Ok(changed) => {
+                if changed {
+                    info!(dir = %cfg.cni_bin_dir.display(), "pod network: CNI plugin installed");
+                }
+                self.plugin_installed = true;
+            }
+            Err(e) => problems.push(e),
+        }
+    }
+
+    fn write_conflist(
+        &mut self,
+        cfg: &PodNetConfig,
+        plan: &PodNetPlan,
+        problems: &mut Vec<String>,
+    ) {
+        // Without pod CIDRs the last configuration stays: the node's CIDRs never change
+        // while it exists, and a runtime without configuration starts no pod at all.
+        let Some(text) = plan::conflist(&plan.own_cidrs, cfg.mtu, &cfg.cni_data_dir) else {
+            return;
+        };
+        if self.conflist.as_deref() == Some(text.as_str()) {
+            return;
+        }
+        match install::write_atomic(
+            &cfg.cni_conf_dir,
+            plan::CONFLIST_NAME,
+            text.as_bytes(),
+            0o644,
+        ) {
+            Ok(changed) => {
+                if changed {
+                    info!(
+                        file = %cfg.cni_conf_dir.join(plan::CONFLIST_NAME).display(),
+                        cidrs = ?plan.own_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "pod network: CNI configuration written"
+                    );
+                }
+                self.conflist = Some(text);
+            }
+            Err(e) => problems.push(format!(
+                "writing {}: {e}",
+                cfg.cni_conf_dir.join(plan::CONFLIST_NAME).display()
+            )),
+        }
+    }
+
+    /// Forwarding for the families of the node's pod CIDRs (the node routes its pods'
+    /// traffic). In a container /proc/sys may be read-only: then it must be set on the
+    /// node, and the warning says so.
+    fn forwarding(&mut self, plan: &PodNetPlan, problems: &mut Vec<String>) {
+        use crate::model::IpFamily;
+        for (family, path) in [
+            (IpFamily::V4, "/proc/sys/net/ipv4/ip_forward"),
+            (IpFamily::V6, "/proc/sys/net/ipv6/conf/all/forwarding"),
+        ] {
+            if self.forwarding.contains(&path)
+                || !plan.own_cidrs.iter().any(|c| c.family() == family)
+            {
+                continue;
+            }
+            let on = std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1");
+            if on || std::fs::write(path, "1").is_ok() {
+                self.forwarding.push(path);
+            } else {
+                problems.push(format!(
+                    "{path} is not 1 and cannot be set here: enable {family} forwarding on the node"
+                ));
+            }
+        }
+    }
+}
+
+/// The Nodes of a manifests snapshot.
+pub fn nodes_of(objects: &crate::source::Objects) -> BTreeMap<String, NodeLite> {
+    let mut out = BTreeMap::new();
+    for node in objects.nodes.values() {
+        let (lite, problems) = NodeLite::from_node(node);
+        for p in problems {
+            warn!("pod network: node {}: {}", p.node, p.message);
+        }
+        out.insert(lite.name.clone(), lite);
+    }
+    out
+}

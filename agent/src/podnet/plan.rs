@@ -1,0 +1,446 @@
+//! What the pod network of this node must look like, decided purely from the cluster's
+//! Nodes: the routes to the other nodes' pod CIDRs, the CNI configuration, and the
+//! masquerade rule for pod traffic that leaves the cluster.
+
+use std::{collections::BTreeSet, fmt::Write as _, net::IpAddr};
+
+use k8s_openapi::api::core::v1::Node;
+use serde_json::json;
+
+use crate::model::{Cidr, IpFamily};
+
+/// What the pod network needs to know of one Node.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NodeLite {
+    pub name: String,
+    /// `spec.podCIDRs` (or the older `spec.podCIDR`), in the Node's order.
+    pub pod_cidrs: Vec<Cidr>,
+    /// `status.addresses` of type InternalIP, in the Node's order.
+    pub internal_ips: Vec<IpAddr>,
+}
+
+/// A field of a Node that cannot be used, said once per sync.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeProblem {
+    pub node: String,
+    pub message: String,
+}
+
+impl NodeLite {
+    /// The pod network's view of `node`; unparsable CIDRs and addresses are dropped and
+    /// reported in the second value.
+    pub fn from_node(node: &Node) -> (NodeLite, Vec<NodeProblem>) {
+        let name = node.metadata.name.clone().unwrap_or_default();
+        let mut problems = Vec::new();
+        let spec = node.spec.as_ref();
+        let mut raw: Vec<&str> = spec
+            .and_then(|s| s.pod_cidrs.as_ref())
+            .map(|v| v.iter().map(String::as_str).collect())
+            .unwrap_or_default();
+        if raw.is_empty()
+            && let Some(one) = spec.and_then(|s| s.pod_cidr.as_deref())
+        {
+            raw.push(one);
+        }
+        let mut pod_cidrs = Vec::new();
+        for text in raw {
+            match text.parse::<Cidr>() {
+                Ok(c) => pod_cidrs.push(c),
+                Err(e) => problems.push(NodeProblem {
+                    node: name.clone(),
+                    message: format!("spec.podCIDRs: {text:?} is not a CIDR ({e})"),
+                }),
+            }
+        }
+        let mut internal_ips = Vec::new();
+        for a in node
+            .status
+            .as_ref()
+            .and_then(|s| s.addresses.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|a| a.type_ == "InternalIP")
+        {
+            match a.address.parse::<IpAddr>() {
+                Ok(ip) => internal_ips.push(ip),
+                Err(_) => problems.push(NodeProblem {
+                    node: name.clone(),
+                    message: format!(
+                        "status.addresses: InternalIP {:?} is not an IP address",
+                        a.address
+                    ),
+                }),
+            }
+        }
+        (
+            NodeLite {
+                name,
+                pod_cidrs,
+                internal_ips,
+            },
+            problems,
+        )
+    }
+
+    fn internal_ip(&self, family: IpFamily) -> Option<IpAddr> {
+        self.internal_ips
+            .iter()
+            .copied()
+            .find(|ip| IpFamily::of(ip) == family)
+    }
+}
+
+/// One route to another node's pod CIDR: native routing, via that node's InternalIP of
+/// the same family on a shared link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PodRoute {
+    pub dst: Cidr,
+    pub via: IpAddr,
+}
+
+impl std::fmt::Display for PodRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} via {}", self.dst, self.via)
+    }
+}
+
+/// The pod network of this node, as the Nodes describe it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodNetPlan {
+    /// This node's pod CIDRs; empty until the node has them.
+    pub own_cidrs: Vec<Cidr>,
+    pub routes: BTreeSet<PodRoute>,
+    /// Every pod CIDR of the cluster and every node address: traffic from a pod to
+    /// these keeps its source address.
+    pub no_masquerade: BTreeSet<Cidr>,
+    pub problems: Vec<NodeProblem>,
+}
+
+/// Decides the routes and the masquerade exceptions for `own` among `nodes`.
+///
+/// A node without a pod CIDR of a family, or without an InternalIP of that family, gets
+/// no route for it (reported: its pods are unreachable from here until it has one). Two
+/// nodes claiming overlapping pod CIDRs are both reported and neither is routed for the
+/// overlapping CIDR, since either route would steal the other's pods.
+pub fn plan(own: &str, nodes: &[NodeLite], extra_no_masquerade: &[Cidr]) -> PodNetPlan {
+    let mut out = PodNetPlan::default();
+    let mut claimed: Vec<(Cidr, &str)> = Vec::new();
+    for n in nodes {
+        for c in &n.pod_cidrs {
+            claimed.push((*c, &n.name));
+            out.no_masquerade.insert(*c);
+        }
+        for ip in &n.internal_ips {
+            out.no_masquerade.insert(Cidr::host(*ip));
+        }
+    }
+    out.no_masquerade
+        .extend(extra_no_masquerade.iter().copied());
+    let overlaps = |c: &Cidr, name: &str| -> Option<String> {
+        claimed
+            .iter()
+            .find(|(o, other)| *other != name && (o.contains(&c.addr) || c.contains(&o.addr)))
+            .map(|(o, other)| format!("{other} ({o})"))
+    };
+    for n in nodes {
+        if n.name == own {
+            out.own_cidrs = n.pod_cidrs.clone();
+            continue;
+        }
+        for c in &n.pod_cidrs {
+            if let Some(other) = overlaps(c, &n.name) {
+                out.problems.push(NodeProblem {
+                    node: n.name.clone(),
+                    message: format!(
+                        "pod CIDR {c} overlaps the pod CIDR of node {other}: not routed"
+                    ),
+                });
+                continue;
+            }
+            match n.internal_ip(c.family()) {
+                Some(via) => {
+                    out.routes.insert(PodRoute { dst: *c, via });
+                }
+                None => out.problems.push(NodeProblem {
+                    node: n.name.clone(),
+                    message: format!(
+                        "no {} InternalIP in status.addresses: its pod CIDR {c} is not routed",
+                        c.family()
+                    ),
+                }),
+            }
+        }
+    }
+    out
+}
+
+/// The file name of ferry's CNI configuration in the CNI configuration directory.
+pub const CONFLIST_NAME: &str = "10-ferry.conflist";
+/// The network's name in the conflist and the plugin's `type` (its binary's name).
+pub const NETWORK_NAME: &str = "ferry";
+pub const PLUGIN_TYPE: &str = "ferry-cni";
+
+/// ferry's CNI configuration list for a node with `pod_cidrs`. `None` without any:
+/// the runtime must not start pods before the node has its CIDRs.
+pub fn conflist(pod_cidrs: &[Cidr], mtu: u32, data_dir: &std::path::Path) -> Option<String> {
+    if pod_cidrs.is_empty() {
+        return None;
+    }
+    let ranges: Vec<String> = pod_cidrs.iter().map(Cidr::to_string).collect();
+    let doc = json!({
+        "cniVersion": "1.0.0",
+        "name": NETWORK_NAME,
+        "plugins": [{
+            "type": PLUGIN_TYPE,
+            "podCIDRs": ranges,
+            "mtu": mtu,
+            "dataDir": data_dir,
+        }],
+    });
+    Some(serde_json::to_string_pretty(&doc).expect("conflist json") + "\n")
+}
+
+/// The nftables table that masquerades pod traffic leaving the cluster.
+pub const MASQ_TABLE: &str = "ferry-podnet";
+
+/// An nft script that replaces ferry's masquerade tables in one transaction: for each
+/// family with a pod CIDR on this node, traffic from those pods to anything outside
+/// `no_masquerade` leaves with the node's address. `None` (no pod CIDR yet, or
+/// masquerading off) removes the tables.
+pub fn masquerade_script(plan: Option<&PodNetPlan>) -> String {
+    let mut s = String::new();
+    for (family, table_family) in [(IpFamily::V4, "ip"), (IpFamily::V6, "ip6")] {
+        // `add` then `delete` so that the delete never fails on a missing table.
+        let _ = writeln!(s, "add table {table_family} {MASQ_TABLE}");
+        let _ = writeln!(s, "delete table {table_family} {MASQ_TABLE}");
+        let Some(plan) = plan else { continue };
+        let own: Vec<String> = plan
+            .own_cidrs
+            .iter()
+            .filter(|c| c.family() == family)
+            .map(Cidr::to_string)
+            .collect();
+        if own.is_empty() {
+            continue;
+        }
+        let keep: Vec<String> = plan
+            .no_masquerade
+            .iter()
+            .filter(|c| c.family() == family)
+            .map(Cidr::to_string)
+            .collect();
+        let (addr_type, match_word) = match family {
+            IpFamily::V4 => ("ipv4_addr", "ip"),
+            IpFamily::V6 => ("ipv6_addr", "ip6"),
+        };
+        let _ = writeln!(s, "table {table_family} {MASQ_TABLE} {{");
+        let _ = writeln!(s, "  set cluster {{");
+        let _ = writeln!(s, "    type {addr_type}; flags interval; auto-merge;");
+        if !keep.is_empty() {
+            let _ = writeln!(s, "    elements = {{ {} }}", keep.join(", "));
+        }
+        let _ = writeln!(s, "  }}");
+        let _ = writeln!(s, "  chain postrouting {{");
+        let _ = writeln!(
+            s,
+            "    type nat hook postrouting priority srcnat; policy accept;"
+        );
+        let _ = writeln!(
+            s,
+            "    {match_word} saddr {{ {} }} {match_word} daddr != @cluster masquerade",
+            own.join(", ")
+        );
+        let _ = writeln!(s, "  }}");
+        let _ = writeln!(s, "}}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{NodeAddress, NodeSpec, NodeStatus};
+
+    use super::*;
+
+    fn node(name: &str, cidrs: &[&str], ips: &[&str]) -> NodeLite {
+        NodeLite {
+            name: name.into(),
+            pod_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            internal_ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
+        }
+    }
+
+    fn k8s_node(
+        name: &str,
+        cidrs: Option<Vec<&str>>,
+        cidr: Option<&str>,
+        addrs: &[(&str, &str)],
+    ) -> Node {
+        Node {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(NodeSpec {
+                pod_cidrs: cidrs.map(|v| v.into_iter().map(String::from).collect()),
+                pod_cidr: cidr.map(String::from),
+                ..Default::default()
+            }),
+            status: Some(NodeStatus {
+                addresses: Some(
+                    addrs
+                        .iter()
+                        .map(|(t, a)| NodeAddress {
+                            type_: t.to_string(),
+                            address: a.to_string(),
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn node_fields_are_read_and_bad_ones_reported() {
+        let n = k8s_node(
+            "a",
+            Some(vec!["10.244.1.0/24", "fd00:244:1::/64", "bogus"]),
+            Some("10.9.9.0/24"),
+            &[
+                ("Hostname", "a"),
+                ("InternalIP", "192.168.1.1"),
+                ("ExternalIP", "203.0.113.1"),
+                ("InternalIP", "fd00::1"),
+                ("InternalIP", "nope"),
+            ],
+        );
+        let (lite, problems) = NodeLite::from_node(&n);
+        assert_eq!(
+            lite,
+            node(
+                "a",
+                &["10.244.1.0/24", "fd00:244:1::/64"],
+                &["192.168.1.1", "fd00::1"]
+            )
+        );
+        let msgs: Vec<&str> = problems.iter().map(|p| p.message.as_str()).collect();
+        assert_eq!(msgs.len(), 2, "{msgs:?}");
+        assert!(msgs[0].contains("\"bogus\""), "{msgs:?}");
+        assert!(msgs[1].contains("\"nope\""), "{msgs:?}");
+        // spec.podCIDR alone (older clusters).
+        let (lite, _) = NodeLite::from_node(&k8s_node("b", None, Some("10.244.2.0/24"), &[]));
+        assert_eq!(lite.pod_cidrs, ["10.244.2.0/24".parse::<Cidr>().unwrap()]);
+    }
+
+    #[test]
+    fn routes_go_to_every_other_node_per_family() {
+        let nodes = [
+            node(
+                "n1",
+                &["10.244.1.0/24", "fd00:244:1::/64"],
+                &["192.168.0.1", "fd00::1"],
+            ),
+            node(
+                "n2",
+                &["10.244.2.0/24", "fd00:244:2::/64"],
+                &["192.168.0.2", "fd00::2"],
+            ),
+            node("n3", &["10.244.3.0/24"], &["192.168.0.3"]),
+        ];
+        let p = plan("n1", &nodes, &[]);
+        assert_eq!(p.own_cidrs, nodes[0].pod_cidrs);
+        let routes: Vec<String> = p.routes.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            routes,
+            [
+                "10.244.2.0/24 via 192.168.0.2",
+                "10.244.3.0/24 via 192.168.0.3",
+                "fd00:244:2::/64 via fd00::2",
+            ]
+        );
+        assert!(p.problems.is_empty(), "{:?}", p.problems);
+        let keep: Vec<String> = p.no_masquerade.iter().map(ToString::to_string).collect();
+        assert!(
+            keep.contains(&"10.244.3.0/24".to_string())
+                && keep.contains(&"192.168.0.3/32".to_string()),
+            "{keep:?}"
+        );
+    }
+
+    #[test]
+    fn a_node_without_an_address_of_the_family_or_with_an_overlap_is_reported() {
+        let nodes = [
+            node("n1", &["10.244.1.0/24"], &["192.168.0.1"]),
+            node("n2", &["fd00:244:2::/64"], &["192.168.0.2"]),
+            node("n3", &["10.244.0.0/16"], &["192.168.0.3"]),
+        ];
+        let p = plan("n1", &nodes, &[]);
+        assert!(p.routes.is_empty(), "{:?}", p.routes);
+        let msgs: Vec<String> = p
+            .problems
+            .iter()
+            .map(|x| format!("{}: {}", x.node, x.message))
+            .collect();
+        assert_eq!(msgs.len(), 2, "{msgs:?}");
+        assert!(msgs[0].starts_with("n2: no IPv6 InternalIP"), "{msgs:?}");
+        assert!(
+            msgs[1].starts_with("n3: pod CIDR 10.244.0.0/16 overlaps the pod CIDR of node n1"),
+            "{msgs:?}"
+        );
+    }
+
+    #[test]
+    fn conflist_waits_for_the_pod_cidrs() {
+        let dir = std::path::Path::new("/var/lib/ferry/cni");
+        assert_eq!(conflist(&[], 1500, dir), None);
+        let text = conflist(
+            &[
+                "10.244.1.0/24".parse().unwrap(),
+                "fd00:244:1::/64".parse().unwrap(),
+            ],
+            1450,
+            dir,
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["name"], "ferry");
+        assert_eq!(v["plugins"][0]["type"], "ferry-cni");
+        assert_eq!(
+            v["plugins"][0]["podCIDRs"],
+            json!(["10.244.1.0/24", "fd00:244:1::/64"])
+        );
+        assert_eq!(v["plugins"][0]["mtu"], 1450);
+        assert_eq!(v["plugins"][0]["dataDir"], "/var/lib/ferry/cni");
+    }
+
+    #[test]
+    fn masquerade_covers_own_pods_per_family_and_keeps_the_cluster() {
+        let nodes = [
+            node("n1", &["10.244.1.0/24"], &["192.168.0.1"]),
+            node("n2", &["10.244.2.0/24"], &["192.168.0.2"]),
+        ];
+        let p = plan("n1", &nodes, &["10.96.0.0/12".parse().unwrap()]);
+        let s = masquerade_script(Some(&p));
+        assert!(
+            s.starts_with(
+                "add table ip ferry-podnet\ndelete table ip ferry-podnet\ntable ip ferry-podnet {"
+            ),
+            "{s}"
+        );
+        assert!(s.contains("elements = { 10.96.0.0/12, 10.244.1.0/24, 10.244.2.0/24, 192.168.0.1/32, 192.168.0.2/32 }"), "{s}");
+        assert!(
+            s.contains("ip saddr { 10.244.1.0/24 } ip daddr != @cluster masquerade"),
+            "{s}"
+        );
+        // No IPv6 pod CIDR here: the ip6 table is only removed.
+        assert!(
+            s.ends_with("add table ip6 ferry-podnet\ndelete table ip6 ferry-podnet\n"),
+            "{s}"
+        );
+        assert_eq!(
+            masquerade_script(None),
+            "add table ip ferry-podnet\ndelete table ip ferry-podnet\nadd table ip6 ferry-podnet\ndelete table ip6 ferry-podnet\n"
+        );
+    }
+}

@@ -1,0 +1,398 @@
+//! The pod network (`ferry agent --pod-network`, issue 14) in a three-node cluster of
+//! network namespaces (`Cluster::new_bare`): the nodes share a LAN and nothing routes
+//! between their pod CIDRs but the agents, which read the Node objects (pod CIDRs,
+//! InternalIPs) from the manifests directory. Pods are wired by the `ferry-cni` plugin
+//! that each agent installed, with the configuration it wrote, invoked as a container
+//! runtime does (`Cluster::add_cni_pod`).
+//!
+//! - The Kubernetes network model: every pod reaches every pod and every node, in both
+//!   families, and the other side sees the pod's own address (no NAT).
+//! - Services keep working over these pods: ClusterIP from a pod, another node's NodePort.
+//! - Routes follow the Nodes: a Node removed takes its routes with it, added back
+//!   brings them back; routes of other owners stay.
+//! - An agent restart keeps a pod-to-pod connection and changes no route.
+//! - Pod traffic to the outside leaves with the node's address, and with
+//!   `--masquerade=false` it does not.
+
+use std::{collections::BTreeSet, net::IpAddr, process::Child, time::Duration};
+
+use ferry_tests::*;
+
+const SRV: u16 = 8080;
+const NODES: usize = 3;
+const VIP: &str = "10.96.7.10";
+const VIP6: &str = "fd00:96::7:10";
+const NODE_PORT: u16 = 30780;
+
+/// Every pod's name: two per node.
+fn pod_names() -> Vec<String> {
+    (1..=NODES)
+        .flat_map(|n| ["a", "b"].map(|s| format!("n{n}{s}")))
+        .collect()
+}
+
+/// A cluster with the pod network running on every node and two CNI pods per node.
+fn pod_network_cluster(test: &str) -> Cluster {
+    let mut c = Cluster::new_bare(test, NODES);
+    let nodes: Vec<String> = (1..=NODES).map(|n| c.node_manifest(n)).collect();
+    c.write_manifest("nodes.yaml", &docs(&nodes));
+    for n in 1..=NODES {
+        let args = c.pod_network_args(n);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        c.start_agent(n, &args);
+    }
+    for n in 1..=NODES {
+        let conf = c.cni_dirs(n).0.join("10-ferry.conflist");
+        eventually(
+            &format!("node{n}'s agent writes its CNI configuration"),
+            Duration::from_secs(10),
+            || {
+                if conf.exists() {
+                    Ok(())
+                } else {
+                    Err(c.agent_log(n))
+                }
+            },
+        );
+        for s in ["a", "b"] {
+            c.add_cni_pod(n, &format!("n{n}{s}"), &[SRV]);
+        }
+    }
+    for n in 1..=NODES {
+        wait_routes(&c, n, NODES - 1);
+    }
+    c
+}
+
+/// ferry's routes on node `n` (`ip route show proto 245`), both families.
+fn ferry_routes(c: &Cluster, n: usize) -> BTreeSet<String> {
+    let ns = &c.node(n).netns;
+    let mut out = BTreeSet::new();
+    for fam in ["-4", "-6"] {
+        for l in sh(&format!("ip {fam} -n {ns} route show proto 245")).lines() {
+            out.insert(l.trim().to_string());
+        }
+    }
+    out
+}
+
+/// The routes node `n` must have with `others` other nodes present, the first ones.
+fn expected_routes(c: &Cluster, n: usize, others: &[usize]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for &m in others.iter().filter(|&&m| m != n) {
+        let (v4, v6) = Cluster::cni_pod_cidrs(m);
+        let node = c.node(m);
+        out.insert(format!("{v4} via {} dev eth0", node.v4));
+        out.insert(format!(
+            "{v6} via {} dev eth0 metric 1024 pref medium",
+            node.v6
+        ));
+    }
+    out
+}
+
+fn wait_routes(c: &Cluster, n: usize, count: usize) {
+    eventually(
+        &format!("node{n} has {count} routes per family to other nodes' pods"),
+        Duration::from_secs(10),
+        || {
+            let r = ferry_routes(c, n);
+            if r.len() == 2 * count {
+                Ok(())
+            } else {
+                Err(format!("{r:?}\n{}", c.agent_log(n)))
+            }
+        },
+    );
+}
+
+/// One `whoami` over TCP from pod `from` (outside any agent cgroup) to `addr`.
+fn whoami(c: &Cluster, from: &str, addr: &str) -> Outcome {
+    let p = c.pod(from);
+    Cluster::probe_in(&p.netns, None, &["tcp", addr, "1"], "whoami")
+        .pop()
+        .expect("one outcome")
+}
+
+#[test]
+fn every_pod_reaches_every_pod_and_node_with_its_own_address_and_services_work() {
+    let mut c = pod_network_cluster("podnet-model");
+    for n in 1..=NODES {
+        let all: Vec<usize> = (1..=NODES).collect();
+        assert_eq!(
+            ferry_routes(&c, n),
+            expected_routes(&c, n, &all),
+            "node{n}'s routes"
+        );
+        let metrics = c.metrics(n);
+        assert_eq!(
+            metric_value(&metrics, "ferry_pod_network_routes", ""),
+            2 * (NODES as u64 - 1),
+            "node{n} /metrics:\n{metrics}"
+        );
+    }
+    // The plugin the agent installed is the one it was given.
+    let installed = std::fs::read(c.cni_dirs(1).1.join("ferry-cni")).unwrap();
+    assert_eq!(installed, std::fs::read(bin("ferry-cni")).unwrap());
+
+    // Pod to pod, every pair, both families: the server sees the client pod's address.
+    let names = pod_names();
+    let mut checked = 0;
+    for from in &names {
+        for to in names.iter().filter(|t| *t != from) {
+            for v6 in [false, true] {
+                let (src, dst): (IpAddr, IpAddr) = if v6 {
+                    (c.pod(from).v6.into(), c.pod(to).v6.into())
+                } else {
+                    (c.pod(from).v4.into(), c.pod(to).v4.into())
+                };
+                let o = whoami(&c, from, &hostport(dst, SRV));
+                assert!(
+                    o.ok && o.backend() == Some(to.as_str()),
+                    "{from} -> {to} ({dst}): {o:?}"
+                );
+                assert_eq!(seen(&o), Some(src), "{from} -> {to}: NAT on the way: {o:?}");
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("pod to pod: {checked} connections, each with the pod's own address");
+
+    // Pod to node: every node's address, from a pod of every node.
+    for n in 1..=NODES {
+        c.serve_on_node(n, &format!("host{n}"), &[SRV]);
+    }
+    for from in ["n1a", "n2b", "n3a"] {
+        for n in 1..=NODES {
+            for v6 in [false, true] {
+                let (src, dst): (IpAddr, IpAddr) = if v6 {
+                    (c.pod(from).v6.into(), c.node(n).v6.into())
+                } else {
+                    (c.pod(from).v4.into(), c.node(n).v4.into())
+                };
+                let o = whoami(&c, from, &hostport(dst, SRV));
+                assert!(
+                    o.ok && o.backend() == Some(format!("host{n}").as_str()),
+                    "{from} -> node{n} ({dst}): {o:?}"
+                );
+                assert_eq!(seen(&o), Some(src), "{from} -> node{n}: NAT on the way");
+            }
+        }
+    }
+
+    // Services over these pods: a dual-stack NodePort Service with every pod behind it.
+    let eps4: Vec<Ep> = names
+        .iter()
+        .map(|p| ep(c.pod(p).v4).on(&c.node(c.pod(p).node).name))
+        .collect();
+    let eps6: Vec<Ep> = names
+        .iter()
+        .map(|p| ep(c.pod(p).v6).on(&c.node(c.pod(p).node).name))
+        .collect();
+    let ports = [("http", 80, "TCP", NODE_PORT)];
+    c.write_manifest(
+        "web.yaml",
+        &docs(&[
+            external_service("web", "NodePort", &[VIP, VIP6], &ports, "", ""),
+            slice("web", "web-v4", "IPv4", &[("http", SRV, "TCP")], &eps4),
+            slice("web", "web-v6", "IPv6", &[("http", SRV, "TCP")], &eps6),
+        ]),
+    );
+    let want: BTreeSet<String> = names.iter().cloned().collect();
+    for addr in [
+        hostport(VIP.parse::<IpAddr>().unwrap(), 80),
+        hostport(VIP6.parse::<IpAddr>().unwrap(), 80),
+        hostport(c.node(2).v4, NODE_PORT),
+        hostport(c.node(3).v6, NODE_PORT),
+    ] {
+        let got = eventually(
+            &format!("pod n1a reaches every pod through {addr}"),
+            Duration::from_secs(10),
+            || {
+                let outs = c.probe_pod("n1a", "tcp", &addr, 60);
+                let seen: BTreeSet<String> = outs
+                    .iter()
+                    .filter(|o| o.ok)
+                    .filter_map(|o| o.backend().map(String::from))
+                    .collect();
+                if outs.iter().all(|o| o.ok) && seen == want {
+                    Ok(seen)
+                } else {
+                    Err(format!("{seen:?} {outs:?}"))
+                }
+            },
+        );
+        assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn routes_follow_the_nodes_and_leave_other_routes_alone() {
+    let c = pod_network_cluster("podnet-nodes");
+    // Another owner's route on node 1 (a CIDR no Node claims): must stay.
+    let n1 = c.node(1).netns.clone();
+    sh(&format!(
+        "ip -n {n1} route add 10.99.0.0/16 via {}",
+        c.node(2).v4
+    ));
+    let before = whoami(&c, "n1a", &hostport(c.pod("n3a").v4, SRV));
+    assert!(before.ok, "n1a -> n3a before: {before:?}");
+
+    // node3 leaves: its routes go on node 1 and 2, and its pods are out of reach.
+    let nodes: Vec<String> = (1..=2).map(|n| c.node_manifest(n)).collect();
+    c.write_manifest("nodes.yaml", &docs(&nodes));
+    for n in 1..=2 {
+        wait_routes(&c, n, 1);
+        assert_eq!(ferry_routes(&c, n), expected_routes(&c, n, &[1, 2]));
+    }
+    let gone = whoami(&c, "n1a", &hostport(c.pod("n3a").v4, SRV));
+    assert!(!gone.ok, "n1a reached n3a with node3 gone: {gone:?}");
+    assert!(
+        c.agent_log(1).contains("route removed (its node is gone)"),
+        "{}",
+        c.agent_log(1)
+    );
+
+    // node3 is back: so are the routes, and the pods are reachable again.
+    let nodes: Vec<String> = (1..=NODES).map(|n| c.node_manifest(n)).collect();
+    c.write_manifest("nodes.yaml", &docs(&nodes));
+    wait_routes(&c, 1, 2);
+    let back = whoami(&c, "n1a", &hostport(c.pod("n3a").v4, SRV));
+    assert!(back.ok, "n1a -> n3a after node3 came back: {back:?}");
+    let other = sh(&format!("ip -n {n1} route show 10.99.0.0/16"));
+    assert!(
+        other.contains(&format!("via {}", c.node(2).v4)),
+        "another owner's route was touched: {other:?}"
+    );
+}
+
+#[test]
+fn an_agent_restart_keeps_pod_flows_and_changes_no_route() {
+    let mut c = pod_network_cluster("podnet-restart");
+    let to = hostport(c.pod("n2a").v4, SRV);
+    let mut session = Session::start(&c.pod("n1a").netns.clone(), None, &to, None);
+    assert_eq!(
+        session.ask("one", Duration::from_secs(3)).unwrap(),
+        "n2a one"
+    );
+    let routes: Vec<BTreeSet<String>> = (1..=NODES).map(|n| ferry_routes(&c, n)).collect();
+    let added = |c: &Cluster, n: usize| c.agent_log(n).matches("route to a node's pods").count();
+    let added_before: Vec<usize> = (1..=NODES).map(|n| added(&c, n)).collect();
+    for n in [1, 2] {
+        c.stop_agent(n, libc::SIGTERM);
+    }
+    // No agent on either end: the kernel keeps routing.
+    assert_eq!(
+        session.ask("two", Duration::from_secs(3)).unwrap(),
+        "n2a two"
+    );
+    for n in [1, 2] {
+        let args = c.pod_network_args(n);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        c.start_agent(n, &args);
+    }
+    // Give the restarted agents a full reconcile: their metrics show the routes.
+    for n in [1, 2] {
+        eventually(
+            &format!("node{n}'s restarted pod network reconciled"),
+            Duration::from_secs(10),
+            || {
+                let m = c.metrics(n);
+                if metric_value(&m, "ferry_pod_network_routes", "") == 4 {
+                    Ok(())
+                } else {
+                    Err(m)
+                }
+            },
+        );
+    }
+    assert_eq!(
+        session.ask("three", Duration::from_secs(3)).unwrap(),
+        "n2a three"
+    );
+    for n in 1..=NODES {
+        assert_eq!(
+            ferry_routes(&c, n),
+            routes[n - 1],
+            "node{n}'s routes changed"
+        );
+        assert_eq!(
+            added(&c, n),
+            added_before[n - 1],
+            "node{n}'s restarted agent re-added routes:\n{}",
+            c.agent_log(n)
+        );
+    }
+}
+
+/// `ferry-testsrv` in client 1's namespace (the internet: no route to any pod CIDR).
+struct Internet(Child);
+
+impl Internet {
+    fn start(c: &Cluster) -> Internet {
+        Internet(start_testsrv(&c.client(1).netns, "internet", &[SRV]))
+    }
+}
+
+impl Drop for Internet {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn pod_traffic_to_the_outside_is_masqueraded_unless_turned_off() {
+    let mut c = pod_network_cluster("podnet-masq");
+    let _internet = Internet::start(&c);
+    for (pod, v6) in [("n1a", false), ("n1b", true), ("n2a", false)] {
+        let node = c.node(c.pod(pod).node);
+        let (dst, want): (IpAddr, IpAddr) = if v6 {
+            (c.client(1).v6.into(), node.v6.into())
+        } else {
+            (c.client(1).v4.into(), node.v4.into())
+        };
+        let o = whoami(&c, pod, &hostport(dst, SRV));
+        assert!(o.ok, "{pod} -> the internet {dst}: {o:?}");
+        assert_eq!(
+            seen(&o),
+            Some(want),
+            "{pod}'s traffic to the internet must leave with its node's address"
+        );
+    }
+    let tables = sh(&format!(
+        "ip netns exec {} nft list tables",
+        c.node(1).netns
+    ));
+    assert!(tables.contains("table ip ferry-podnet"), "{tables}");
+
+    // Off: the internet sees the pod's address, has no route back, the connect fails.
+    c.stop_agent(1, libc::SIGTERM);
+    let mut args = c.pod_network_args(1);
+    args.push("--masquerade=false".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    c.start_agent(1, &args);
+    eventually(
+        "node1's masquerade tables are gone",
+        Duration::from_secs(10),
+        || {
+            let t = sh(&format!(
+                "ip netns exec {} nft list tables",
+                c.node(1).netns
+            ));
+            if t.contains("ferry-podnet") {
+                Err(t)
+            } else {
+                Ok(())
+            }
+        },
+    );
+    let o = whoami(&c, "n1a", &hostport(c.client(1).v4, SRV));
+    assert!(
+        !o.ok,
+        "without masquerade the internet cannot answer a pod: {o:?}"
+    );
+    // Other nodes are unaffected.
+    let o = whoami(&c, "n2a", &hostport(c.client(1).v4, SRV));
+    assert!(o.ok && seen(&o) == Some(c.node(2).v4.into()), "{o:?}");
+}
