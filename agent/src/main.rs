@@ -169,6 +169,11 @@ struct AgentArgs {
     /// The ferry-cni binary to install (default: the one next to this executable).
     #[arg(long)]
     cni_plugin: Option<PathBuf>,
+    /// How pods reach other nodes' pods (--pod-network): `none` routes natively via the
+    /// nodes' InternalIPs (the nodes share a link); `vxlan` encapsulates in ferry's VXLAN
+    /// device (nodes in different L2 segments), and pods get the MTU minus its overhead.
+    #[arg(long, value_enum, default_value = "none")]
+    overlay: OverlayArg,
     /// MTU of the node's network; pods get it (--pod-network).
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(1280..=65535))]
     mtu: u32,
@@ -180,6 +185,12 @@ struct AgentArgs {
     /// and node addresses (e.g. the Service CIDR or peered networks).
     #[arg(long, value_delimiter = ',')]
     no_masquerade_cidrs: Vec<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OverlayArg {
+    None,
+    Vxlan,
 }
 
 /// A usage or configuration error: exit code 2.
@@ -338,6 +349,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             cni_data_dir: a.cni_data_dir.clone(),
             plugin,
             mtu: a.mtu,
+            overlay: matches!(a.overlay, OverlayArg::Vxlan),
             masquerade: a.masquerade,
             no_masquerade,
         })

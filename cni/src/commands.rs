@@ -141,6 +141,7 @@ fn pod_routes(index: i32, a: &PodAddress) -> [Route; 2] {
             oif: Some(index),
             scope: RT_SCOPE_LINK,
             protocol: RTPROT_STATIC,
+            onlink: false,
         },
         Route {
             dst: default_dst(a.ip.is_ipv4()),
@@ -148,6 +149,7 @@ fn pod_routes(index: i32, a: &PodAddress) -> [Route; 2] {
             oif: Some(index),
             scope: RT_SCOPE_UNIVERSE,
             protocol: RTPROT_STATIC,
+            onlink: false,
         },
     ]
 }
@@ -160,6 +162,7 @@ fn host_route(index: i32, pod: IpAddr) -> Route {
         oif: Some(index),
         scope: RT_SCOPE_LINK,
         protocol: RTPROT_STATIC,
+        onlink: false,
     }
 }
 

@@ -1,5 +1,6 @@
 //! A small rtnetlink client over a raw `NETLINK_ROUTE` socket: just the link, address
-//! and route messages the plugin needs.
+//! and route messages the plugin needs, and the VXLAN device, neighbour and FDB entries
+//! of the agent's overlay (`ferry agent --pod-network --overlay vxlan`).
 //!
 //! A netlink socket stays in the network namespace it was created in, so
 //! [`Netlink::in_netns`] creates one on a short-lived thread that has joined the pod's
@@ -42,6 +43,24 @@ const RTM_GETADDR: u16 = 22;
 const RTM_NEWROUTE: u16 = 24;
 const RTM_DELROUTE: u16 = 25;
 const RTM_GETROUTE: u16 = 26;
+const RTM_NEWNEIGH: u16 = 28;
+const RTM_DELNEIGH: u16 = 29;
+const RTM_GETNEIGH: u16 = 30;
+
+const NDA_DST: u16 = 1;
+const NDA_LLADDR: u16 = 2;
+const NUD_PERMANENT: u16 = 0x80;
+/// An FDB entry of the device itself (the VXLAN driver's table), not of a bridge.
+const NTF_SELF: u8 = 0x02;
+const AF_BRIDGE: u8 = 7;
+
+const IFLA_VXLAN_ID: u16 = 1;
+const IFLA_VXLAN_LOCAL: u16 = 4;
+const IFLA_VXLAN_LEARNING: u16 = 7;
+const IFLA_VXLAN_PORT: u16 = 15;
+const IFLA_VXLAN_LOCAL6: u16 = 17;
+/// Route flag: the gateway is on the link even without an address in its subnet.
+const RTNH_F_ONLINK: u32 = 4;
 
 const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
@@ -119,6 +138,17 @@ pub struct Route {
     /// Who made it (`RTPROT_*`): the agent marks its routes between nodes with its own
     /// number, so that it never touches routes it did not make.
     pub protocol: u8,
+    /// The gateway is on the link whatever the link's addresses (`onlink`): the overlay
+    /// routes via the other nodes' VXLAN endpoints.
+    pub onlink: bool,
+}
+
+/// A permanent neighbour (IP -> MAC) or, on a VXLAN device, an FDB entry (MAC -> the
+/// remote endpoint's underlay IP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Neighbour {
+    pub ip: IpAddr,
+    pub mac: [u8; 6],
 }
 
 pub struct Netlink {
@@ -299,6 +329,7 @@ impl Netlink {
                 continue;
             }
             let (fam, dst_len, table, protocol, scope) = (r[0], r[1], r[4], r[5], r[6]);
+            let flags = u32::from_ne_bytes(r[8..12].try_into().unwrap());
             let attrs = attrs(&r[12..]);
             let get = |t| attrs.iter().find(|(k, _)| *k == t).map(|(_, v)| *v);
             let table = get(RTA_TABLE)
@@ -320,9 +351,123 @@ impl Netlink {
                 oif: get(RTA_OIF).and_then(|v| v.try_into().ok().map(i32::from_ne_bytes)),
                 scope,
                 protocol,
+                onlink: flags & RTNH_F_ONLINK != 0,
             });
         }
         Ok(out)
+    }
+
+    /// Creates a VXLAN device without learning (entries come from [`Self::replace_fdb`]
+    /// and [`Self::replace_neighbour`]): VNI `vni`, UDP `port`, underlay source `local`,
+    /// with `mac` and `mtu`.
+    pub fn create_vxlan(
+        &mut self,
+        name: &str,
+        vni: u32,
+        local: IpAddr,
+        port: u16,
+        mac: [u8; 6],
+        mtu: u32,
+    ) -> NlResult<()> {
+        let mut m = Msg::new(
+            RTM_NEWLINK,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+        );
+        m.ifinfo(0, 0, 0);
+        m.attr(IFLA_IFNAME, &cstr(name));
+        m.attr(IFLA_ADDRESS, &mac);
+        m.attr(IFLA_MTU, &mtu.to_ne_bytes());
+        let info = m.begin(IFLA_LINKINFO);
+        m.attr(IFLA_INFO_KIND, b"vxlan");
+        let data = m.begin(IFLA_INFO_DATA);
+        m.attr(IFLA_VXLAN_ID, &vni.to_ne_bytes());
+        match local {
+            IpAddr::V4(a) => m.attr(IFLA_VXLAN_LOCAL, &a.octets()),
+            IpAddr::V6(a) => m.attr(IFLA_VXLAN_LOCAL6, &a.octets()),
+        }
+        m.attr(IFLA_VXLAN_PORT, &port.to_be_bytes());
+        m.attr(IFLA_VXLAN_LEARNING, &[0]);
+        m.end(data);
+        m.end(info);
+        self.transact(m).map(drop)
+    }
+
+    /// The permanent neighbours of link `index` (IPv4 and IPv6).
+    pub fn neighbours(&mut self, index: i32) -> NlResult<Vec<Neighbour>> {
+        self.neigh_dump(libc::AF_UNSPEC as u8, index)
+    }
+
+    /// The FDB entries with a remote endpoint of link `index` (a VXLAN device).
+    pub fn fdb(&mut self, index: i32) -> NlResult<Vec<Neighbour>> {
+        self.neigh_dump(AF_BRIDGE, index)
+    }
+
+    fn neigh_dump(&mut self, family: u8, index: i32) -> NlResult<Vec<Neighbour>> {
+        let mut m = Msg::new(RTM_GETNEIGH, NLM_F_REQUEST | NLM_F_DUMP);
+        m.ndmsg(family, 0, 0, 0);
+        let mut out = Vec::new();
+        for r in self.transact(m)? {
+            if r.len() < 12 || i32::from_ne_bytes(r[4..8].try_into().unwrap()) != index {
+                continue;
+            }
+            let attrs = attrs(&r[12..]);
+            let get = |t| attrs.iter().find(|(k, _)| *k == t).map(|(_, v)| *v);
+            let (Some(ip), Some(mac)) = (
+                get(NDA_DST).and_then(ip),
+                get(NDA_LLADDR).and_then(|v| <[u8; 6]>::try_from(v).ok()),
+            ) else {
+                continue;
+            };
+            out.push(Neighbour { ip, mac });
+        }
+        Ok(out)
+    }
+
+    /// Makes `n.ip` resolve to `n.mac` on link `index`, permanently.
+    pub fn replace_neighbour(&mut self, index: i32, n: &Neighbour) -> NlResult<()> {
+        let mut m = Msg::new(
+            RTM_NEWNEIGH,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+        );
+        m.ndmsg(family(n.ip), index, NUD_PERMANENT, 0);
+        m.attr(NDA_DST, &octets(n.ip));
+        m.attr(NDA_LLADDR, &n.mac);
+        self.transact(m).map(drop)
+    }
+
+    pub fn delete_neighbour(&mut self, index: i32, n: &Neighbour) -> NlResult<bool> {
+        let mut m = Msg::new(RTM_DELNEIGH, NLM_F_REQUEST | NLM_F_ACK);
+        m.ndmsg(family(n.ip), index, 0, 0);
+        m.attr(NDA_DST, &octets(n.ip));
+        match self.transact(m) {
+            Ok(_) => Ok(true),
+            Err(e) if e.errno == libc::ENOENT => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sends frames for `n.mac` on VXLAN link `index` to the endpoint `n.ip`.
+    pub fn replace_fdb(&mut self, index: i32, n: &Neighbour) -> NlResult<()> {
+        let mut m = Msg::new(
+            RTM_NEWNEIGH,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+        );
+        m.ndmsg(AF_BRIDGE, index, NUD_PERMANENT, NTF_SELF);
+        m.attr(NDA_LLADDR, &n.mac);
+        m.attr(NDA_DST, &octets(n.ip));
+        self.transact(m).map(drop)
+    }
+
+    pub fn delete_fdb(&mut self, index: i32, n: &Neighbour) -> NlResult<bool> {
+        let mut m = Msg::new(RTM_DELNEIGH, NLM_F_REQUEST | NLM_F_ACK);
+        m.ndmsg(AF_BRIDGE, index, 0, NTF_SELF);
+        m.attr(NDA_LLADDR, &n.mac);
+        m.attr(NDA_DST, &octets(n.ip));
+        match self.transact(m) {
+            Ok(_) => Ok(true),
+            Err(e) if e.errno == libc::ENOENT => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Sends one request and collects the replies until its ACK, error or DONE.
@@ -417,6 +562,10 @@ fn route_body(m: &mut Msg, r: &Route) {
         r.scope,
         RTN_UNICAST,
     );
+    if r.onlink {
+        let at = m.buf.len() - 4;
+        m.buf[at..].copy_from_slice(&RTNH_F_ONLINK.to_ne_bytes());
+    }
     if r.dst.prefix > 0 {
         m.attr(RTA_DST, &octets(r.dst.addr));
     }
@@ -520,6 +669,14 @@ impl Msg {
     fn ifaddr(&mut self, family: u8, prefix: u8, flags: u8, scope: u8, index: i32) {
         self.buf.extend_from_slice(&[family, prefix, flags, scope]);
         self.buf.extend_from_slice(&(index as u32).to_ne_bytes());
+    }
+
+    /// `struct ndmsg`.
+    fn ndmsg(&mut self, family: u8, index: i32, state: u16, flags: u8) {
+        self.buf.extend_from_slice(&[family, 0, 0, 0]);
+        self.buf.extend_from_slice(&index.to_ne_bytes());
+        self.buf.extend_from_slice(&state.to_ne_bytes());
+        self.buf.extend_from_slice(&[flags, 0]);
     }
 
     /// `struct rtmsg`.

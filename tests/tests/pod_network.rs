@@ -33,11 +33,17 @@ fn pod_names() -> Vec<String> {
 
 /// A cluster with the pod network running on every node and two CNI pods per node.
 fn pod_network_cluster(test: &str) -> Cluster {
+    pod_network_cluster_with(test, &[])
+}
+
+/// The same, every agent with `extra` flags too.
+fn pod_network_cluster_with(test: &str, extra: &[&str]) -> Cluster {
     let mut c = Cluster::new_bare(test, NODES);
     let nodes: Vec<String> = (1..=NODES).map(|n| c.node_manifest(n)).collect();
     c.write_manifest("nodes.yaml", &docs(&nodes));
     for n in 1..=NODES {
-        let args = c.pod_network_args(n);
+        let mut args = c.pod_network_args(n);
+        args.extend(extra.iter().map(|s| s.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         c.start_agent(n, &args);
     }
@@ -114,6 +120,32 @@ fn whoami(c: &Cluster, from: &str, addr: &str) -> Outcome {
         .expect("one outcome")
 }
 
+/// Pod to pod, every pair, both families: the server sees the client pod's address.
+/// Returns how many connections were checked.
+fn assert_pod_mesh(c: &Cluster) -> usize {
+    let names = pod_names();
+    let mut checked = 0;
+    for from in &names {
+        for to in names.iter().filter(|t| *t != from) {
+            for v6 in [false, true] {
+                let (src, dst): (IpAddr, IpAddr) = if v6 {
+                    (c.pod(from).v6.into(), c.pod(to).v6.into())
+                } else {
+                    (c.pod(from).v4.into(), c.pod(to).v4.into())
+                };
+                let o = whoami(c, from, &hostport(dst, SRV));
+                assert!(
+                    o.ok && o.backend() == Some(to.as_str()),
+                    "{from} -> {to} ({dst}): {o:?}"
+                );
+                assert_eq!(seen(&o), Some(src), "{from} -> {to}: NAT on the way: {o:?}");
+                checked += 1;
+            }
+        }
+    }
+    checked
+}
+
 #[test]
 fn every_pod_reaches_every_pod_and_node_with_its_own_address_and_services_work() {
     let mut c = pod_network_cluster("podnet-model");
@@ -135,28 +167,9 @@ fn every_pod_reaches_every_pod_and_node_with_its_own_address_and_services_work()
     let installed = std::fs::read(c.cni_dirs(1).1.join("ferry-cni")).unwrap();
     assert_eq!(installed, std::fs::read(bin("ferry-cni")).unwrap());
 
-    // Pod to pod, every pair, both families: the server sees the client pod's address.
-    let names = pod_names();
-    let mut checked = 0;
-    for from in &names {
-        for to in names.iter().filter(|t| *t != from) {
-            for v6 in [false, true] {
-                let (src, dst): (IpAddr, IpAddr) = if v6 {
-                    (c.pod(from).v6.into(), c.pod(to).v6.into())
-                } else {
-                    (c.pod(from).v4.into(), c.pod(to).v4.into())
-                };
-                let o = whoami(&c, from, &hostport(dst, SRV));
-                assert!(
-                    o.ok && o.backend() == Some(to.as_str()),
-                    "{from} -> {to} ({dst}): {o:?}"
-                );
-                assert_eq!(seen(&o), Some(src), "{from} -> {to}: NAT on the way: {o:?}");
-                checked += 1;
-            }
-        }
-    }
+    let checked = assert_pod_mesh(&c);
     eprintln!("pod to pod: {checked} connections, each with the pod's own address");
+    let names = pod_names();
 
     // Pod to node: every node's address, from a pod of every node.
     for n in 1..=NODES {
@@ -395,4 +408,86 @@ fn pod_traffic_to_the_outside_is_masqueraded_unless_turned_off() {
     // Other nodes are unaffected.
     let o = whoami(&c, "n2a", &hostport(c.client(1).v4, SRV));
     assert!(o.ok && seen(&o) == Some(c.node(2).v4.into()), "{o:?}");
+}
+
+/// Packets node `n`'s VXLAN device sent.
+fn vxlan_tx_packets(c: &Cluster, n: usize) -> u64 {
+    let out = sh(&format!(
+        "ip -n {} -s -j link show ferry.vxlan",
+        c.node(n).netns
+    ));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("ip -j");
+    v[0]["stats64"]["tx"]["packets"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no tx packets in {out}"))
+}
+
+#[test]
+fn the_vxlan_overlay_carries_pods_of_every_node_and_follows_the_nodes() {
+    let c = pod_network_cluster_with("podnet-vxlan", &["--overlay=vxlan"]);
+    for n in 1..=NODES {
+        let mut want = BTreeSet::new();
+        for m in (1..=NODES).filter(|&m| m != n) {
+            let (v4, v6) = Cluster::cni_pod_cidrs(m);
+            let (gw4, gw6) = (v4.trim_end_matches("/24"), v6.trim_end_matches("/64"));
+            want.insert(format!("{v4} via {gw4} dev ferry.vxlan onlink"));
+            want.insert(format!(
+                "{v6} via {gw6} dev ferry.vxlan metric 1024 onlink pref medium"
+            ));
+        }
+        assert_eq!(ferry_routes(&c, n), want, "node{n}'s overlay routes");
+        // The pods' MTU leaves room for VXLAN over IPv4 (50 bytes).
+        let mtu = sh(&format!(
+            "ip -n {} -j link show eth0",
+            c.pod(&format!("n{n}a")).netns
+        ));
+        assert!(mtu.contains("\"mtu\":1450"), "pod MTU: {mtu}");
+    }
+    let before: Vec<u64> = (1..=NODES).map(|n| vxlan_tx_packets(&c, n)).collect();
+    let checked = assert_pod_mesh(&c);
+    for n in 1..=NODES {
+        let sent = vxlan_tx_packets(&c, n) - before[n - 1];
+        // Each node's 2 pods open 2 × 4 × 2 connections to other nodes' pods: at least
+        // their SYNs and the replies to the others' SYNs went through the device.
+        assert!(sent >= 32, "node{n}'s VXLAN device sent {sent} packets");
+    }
+    eprintln!("vxlan: {checked} pod-to-pod connections, each with the pod's own address");
+
+    // node3 leaves: its FDB and neighbour entries and routes go on node 1.
+    let fdb = |c: &Cluster| {
+        sh(&format!(
+            "bridge -n {} fdb show dev ferry.vxlan",
+            c.node(1).netns
+        ))
+    };
+    assert!(
+        fdb(&c).contains(&format!("dst {}", c.node(3).v4)),
+        "{}",
+        fdb(&c)
+    );
+    let nodes: Vec<String> = (1..=2).map(|n| c.node_manifest(n)).collect();
+    c.write_manifest("nodes.yaml", &docs(&nodes));
+    wait_routes(&c, 1, 1);
+    eventually(
+        "node3's FDB entry is gone from node1",
+        Duration::from_secs(10),
+        || {
+            let f = fdb(&c);
+            if f.contains(&format!("dst {}", c.node(3).v4)) {
+                Err(f)
+            } else {
+                Ok(())
+            }
+        },
+    );
+    let neigh = sh(&format!(
+        "ip -n {} neigh show dev ferry.vxlan",
+        c.node(1).netns
+    ));
+    assert!(
+        !neigh.contains("10.202.3.0"),
+        "node3's neighbour entry is left: {neigh}"
+    );
+    let o = whoami(&c, "n1a", &hostport(c.pod("n2a").v4, SRV));
+    assert!(o.ok, "n1a -> n2a with node3 gone: {o:?}");
 }

@@ -3,7 +3,8 @@
 //!   node's Node has pod CIDRs (a runtime starts no pod before it is there), and the
 //!   `ferry-cni` plugin installed into `--cni-bin-dir`, both atomically;
 //! - one route per other node's pod CIDR via that node's InternalIP (native routing:
-//!   the nodes share a link), removed when the node goes ([`routes`]);
+//!   the nodes share a link), removed when the node goes ([`routes`]); or, with
+//!   `--overlay vxlan`, via the node's endpoint on ferry's VXLAN device ([`overlay`]);
 //! - masquerading of pod traffic to anything outside the cluster's pod CIDRs, the node
 //!   addresses and `--no-masquerade-cidrs` (one nft table per family, [`masq`]), unless
 //!   `--masquerade=false`;
@@ -16,6 +17,7 @@
 
 pub mod install;
 pub mod masq;
+pub mod overlay;
 pub mod plan;
 pub mod routes;
 
@@ -40,6 +42,8 @@ pub struct PodNetConfig {
     /// The plugin binary to install (default: `ferry-cni` next to the agent).
     pub plugin: PathBuf,
     pub mtu: u32,
+    /// `--overlay vxlan`: routes through ferry's VXLAN device instead of native routing.
+    pub overlay: bool,
     pub masquerade: bool,
     /// Destinations that keep the pod's address besides the cluster's pod CIDRs and
     /// node addresses (e.g. the Service CIDR, networks routed to pods natively).
@@ -96,7 +100,7 @@ struct State {
 impl State {
     fn reconcile(&mut self, cfg: &PodNetConfig, nodes: &BTreeMap<String, NodeLite>) {
         let list: Vec<NodeLite> = nodes.values().cloned().collect();
-        let plan = plan::plan(&cfg.node_name, &list, &cfg.no_masquerade);
+        let plan = plan::plan(&cfg.node_name, &list, &cfg.no_masquerade, cfg.overlay);
         let mut problems: Vec<String> = plan
             .problems
             .iter()
@@ -118,7 +122,14 @@ impl State {
         self.write_conflist(cfg, &plan, &mut problems);
         match ferry_cni::netlink::Netlink::open() {
             Ok(mut nl) => {
-                let r = routes::reconcile(&mut nl, &plan.routes);
+                let vxlan = match &plan.vxlan {
+                    Some(v) => overlay::reconcile(&mut nl, v, cfg.mtu, &mut problems),
+                    None => {
+                        overlay::remove(&mut nl, &mut problems);
+                        None
+                    }
+                };
+                let r = routes::reconcile(&mut nl, &plan.routes, vxlan);
                 for w in &r.added {
                     info!(route = %w, "pod network: route to a node's pods");
                 }
@@ -188,7 +199,13 @@ impl State {
     ) {
         // Without pod CIDRs the last configuration stays: the node's CIDRs never change
         // while it exists, and a runtime without configuration starts no pod at all.
-        let Some(text) = plan::conflist(&plan.own_cidrs, cfg.mtu, &cfg.cni_data_dir) else {
+        let overhead = plan
+            .vxlan
+            .as_ref()
+            .and_then(|v| v.local)
+            .map_or(0, plan::vxlan_overhead);
+        let Some(text) = plan::conflist(&plan.own_cidrs, cfg.mtu, overhead, &cfg.cni_data_dir)
+        else {
             return;
         };
         if self.conflist.as_deref() == Some(text.as_str()) {

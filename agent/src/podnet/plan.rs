@@ -90,18 +90,63 @@ impl NodeLite {
     }
 }
 
-/// One route to another node's pod CIDR: native routing, via that node's InternalIP of
-/// the same family on a shared link.
+/// One route to another node's pod CIDR. Native routing: via that node's InternalIP of
+/// the same family on a shared link. Overlay: via that node's VXLAN endpoint address
+/// (the network address of the CIDR), `onlink` on ferry's VXLAN device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodRoute {
     pub dst: Cidr,
     pub via: IpAddr,
+    pub overlay: bool,
 }
 
 impl std::fmt::Display for PodRoute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} via {}", self.dst, self.via)
+        write!(f, "{} via {}", self.dst, self.via)?;
+        if self.overlay {
+            write!(f, " dev {VXLAN_DEVICE} onlink")?;
+        }
+        Ok(())
     }
+}
+
+/// ferry's VXLAN device (`--overlay vxlan`), its VNI and UDP port (Linux's and
+/// flannel's default port).
+pub const VXLAN_DEVICE: &str = "ferry.vxlan";
+pub const VXLAN_VNI: u32 = 1;
+pub const VXLAN_PORT: u16 = 8472;
+
+/// What VXLAN adds to a packet: outer IPv4 (20) or IPv6 (40), UDP (8), VXLAN (8) and
+/// the inner Ethernet header (14).
+pub fn vxlan_overhead(underlay: IpAddr) -> u32 {
+    if underlay.is_ipv4() { 50 } else { 70 }
+}
+
+/// A node's VXLAN endpoint MAC, derived from its underlay address so that no node has to
+/// publish it: locally administered unicast `0a:fe` and the address's last 4 bytes.
+pub fn vtep_mac(underlay: IpAddr) -> [u8; 6] {
+    let b = match underlay {
+        IpAddr::V4(a) => a.octets(),
+        IpAddr::V6(a) => {
+            let o = a.octets();
+            [o[12], o[13], o[14], o[15]]
+        }
+    };
+    [0x0a, 0xfe, b[0], b[1], b[2], b[3]]
+}
+
+/// This node's VXLAN device and the entries that reach the other nodes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VxlanPlan {
+    /// The underlay address (this node's first InternalIP) and the device's MAC.
+    pub local: Option<IpAddr>,
+    pub mac: [u8; 6],
+    /// The device's own addresses: the network address of each own pod CIDR.
+    pub addresses: Vec<IpAddr>,
+    /// Neighbour entries: another node's endpoint address -> its MAC.
+    pub neighbours: BTreeSet<(IpAddr, [u8; 6])>,
+    /// FDB entries: another node's MAC -> its underlay address.
+    pub fdb: BTreeSet<([u8; 6], IpAddr)>,
 }
 
 /// The pod network of this node, as the Nodes describe it.
@@ -114,6 +159,8 @@ pub struct PodNetPlan {
     /// these keeps its source address.
     pub no_masquerade: BTreeSet<Cidr>,
     pub problems: Vec<NodeProblem>,
+    /// With `--overlay vxlan`.
+    pub vxlan: Option<VxlanPlan>,
 }
 
 /// Decides the routes and the masquerade exceptions for `own` among `nodes`.
@@ -122,8 +169,34 @@ pub struct PodNetPlan {
 /// no route for it (reported: its pods are unreachable from here until it has one). Two
 /// nodes claiming overlapping pod CIDRs are both reported and neither is routed for the
 /// overlapping CIDR, since either route would steal the other's pods.
-pub fn plan(own: &str, nodes: &[NodeLite], extra_no_masquerade: &[Cidr]) -> PodNetPlan {
+///
+/// With `overlay`, every route goes through ferry's VXLAN device instead, and the
+/// underlay family is that of this node's first InternalIP: another node needs an
+/// InternalIP of that family (its pod CIDRs of both families ride on it).
+pub fn plan(
+    own: &str,
+    nodes: &[NodeLite],
+    extra_no_masquerade: &[Cidr],
+    overlay: bool,
+) -> PodNetPlan {
     let mut out = PodNetPlan::default();
+    let underlay = nodes
+        .iter()
+        .find(|n| n.name == own)
+        .and_then(|n| n.internal_ips.first().copied());
+    if overlay {
+        out.vxlan = Some(VxlanPlan {
+            local: underlay,
+            mac: underlay.map(vtep_mac).unwrap_or_default(),
+            ..Default::default()
+        });
+        if underlay.is_none() && nodes.iter().any(|n| n.name == own) {
+            out.problems.push(NodeProblem {
+                node: own.to_string(),
+                message: "no InternalIP in status.addresses: no VXLAN overlay".into(),
+            });
+        }
+    }
     let mut claimed: Vec<(Cidr, &str)> = Vec::new();
     for n in nodes {
         for c in &n.pod_cidrs {
@@ -145,6 +218,9 @@ pub fn plan(own: &str, nodes: &[NodeLite], extra_no_masquerade: &[Cidr]) -> PodN
     for n in nodes {
         if n.name == own {
             out.own_cidrs = n.pod_cidrs.clone();
+            if let Some(v) = out.vxlan.as_mut() {
+                v.addresses = n.pod_cidrs.iter().map(|c| c.addr).collect();
+            }
             continue;
         }
         for c in &n.pod_cidrs {
@@ -157,9 +233,36 @@ pub fn plan(own: &str, nodes: &[NodeLite], extra_no_masquerade: &[Cidr]) -> PodN
                 });
                 continue;
             }
+            if let Some(v) = out.vxlan.as_mut() {
+                let Some(local) = underlay else { continue };
+                match n.internal_ip(IpFamily::of(&local)) {
+                    Some(remote) => {
+                        let mac = vtep_mac(remote);
+                        out.routes.insert(PodRoute {
+                            dst: *c,
+                            via: c.addr,
+                            overlay: true,
+                        });
+                        v.neighbours.insert((c.addr, mac));
+                        v.fdb.insert((mac, remote));
+                    }
+                    None => out.problems.push(NodeProblem {
+                        node: n.name.clone(),
+                        message: format!(
+                            "no {} InternalIP (the overlay's underlay family): its pod CIDR {c} is not routed",
+                            IpFamily::of(&local)
+                        ),
+                    }),
+                }
+                continue;
+            }
             match n.internal_ip(c.family()) {
                 Some(via) => {
-                    out.routes.insert(PodRoute { dst: *c, via });
+                    out.routes.insert(PodRoute {
+                        dst: *c,
+                        via,
+                        overlay: false,
+                    });
                 }
                 None => out.problems.push(NodeProblem {
                     node: n.name.clone(),
@@ -182,7 +285,12 @@ pub const PLUGIN_TYPE: &str = "ferry-cni";
 
 /// ferry's CNI configuration list for a node with `pod_cidrs`. `None` without any:
 /// the runtime must not start pods before the node has its CIDRs.
-pub fn conflist(pod_cidrs: &[Cidr], mtu: u32, data_dir: &std::path::Path) -> Option<String> {
+pub fn conflist(
+    pod_cidrs: &[Cidr],
+    mtu: u32,
+    overlay_overhead: u32,
+    data_dir: &std::path::Path,
+) -> Option<String> {
     if pod_cidrs.is_empty() {
         return None;
     }
@@ -194,6 +302,7 @@ pub fn conflist(pod_cidrs: &[Cidr], mtu: u32, data_dir: &std::path::Path) -> Opt
             "type": PLUGIN_TYPE,
             "podCIDRs": ranges,
             "mtu": mtu,
+            "overlayOverhead": overlay_overhead,
             "dataDir": data_dir,
         }],
     });
@@ -348,7 +457,7 @@ mod tests {
             ),
             node("n3", &["10.244.3.0/24"], &["192.168.0.3"]),
         ];
-        let p = plan("n1", &nodes, &[]);
+        let p = plan("n1", &nodes, &[], false);
         assert_eq!(p.own_cidrs, nodes[0].pod_cidrs);
         let routes: Vec<String> = p.routes.iter().map(ToString::to_string).collect();
         assert_eq!(
@@ -375,7 +484,7 @@ mod tests {
             node("n2", &["fd00:244:2::/64"], &["192.168.0.2"]),
             node("n3", &["10.244.0.0/16"], &["192.168.0.3"]),
         ];
-        let p = plan("n1", &nodes, &[]);
+        let p = plan("n1", &nodes, &[], false);
         assert!(p.routes.is_empty(), "{:?}", p.routes);
         let msgs: Vec<String> = p
             .problems
@@ -393,13 +502,14 @@ mod tests {
     #[test]
     fn conflist_waits_for_the_pod_cidrs() {
         let dir = std::path::Path::new("/var/lib/ferry/cni");
-        assert_eq!(conflist(&[], 1500, dir), None);
+        assert_eq!(conflist(&[], 1500, 0, dir), None);
         let text = conflist(
             &[
                 "10.244.1.0/24".parse().unwrap(),
                 "fd00:244:1::/64".parse().unwrap(),
             ],
             1450,
+            0,
             dir,
         )
         .unwrap();
@@ -420,7 +530,7 @@ mod tests {
             node("n1", &["10.244.1.0/24"], &["192.168.0.1"]),
             node("n2", &["10.244.2.0/24"], &["192.168.0.2"]),
         ];
-        let p = plan("n1", &nodes, &["10.96.0.0/12".parse().unwrap()]);
+        let p = plan("n1", &nodes, &["10.96.0.0/12".parse().unwrap()], false);
         let s = masquerade_script(Some(&p));
         assert!(
             s.starts_with(
@@ -442,5 +552,55 @@ mod tests {
             masquerade_script(None),
             "add table ip ferry-podnet\ndelete table ip ferry-podnet\nadd table ip6 ferry-podnet\ndelete table ip6 ferry-podnet\n"
         );
+    }
+
+    #[test]
+    fn the_overlay_routes_every_family_through_the_underlay_family() {
+        let nodes = [
+            node(
+                "n1",
+                &["10.244.1.0/24", "fd00:244:1::/64"],
+                &["192.168.0.1", "fd00::1"],
+            ),
+            node(
+                "n2",
+                &["10.244.2.0/24", "fd00:244:2::/64"],
+                &["192.168.0.2"],
+            ),
+            node("n3", &["10.244.3.0/24"], &["fd00::3"]),
+        ];
+        let p = plan("n1", &nodes, &[], true);
+        let routes: Vec<String> = p.routes.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            routes,
+            [
+                "10.244.2.0/24 via 10.244.2.0 dev ferry.vxlan onlink",
+                "fd00:244:2::/64 via fd00:244:2:: dev ferry.vxlan onlink",
+            ]
+        );
+        let v = p.vxlan.as_ref().unwrap();
+        assert_eq!(v.local, Some("192.168.0.1".parse().unwrap()));
+        assert_eq!(v.mac, [0x0a, 0xfe, 192, 168, 0, 1]);
+        let own: Vec<String> = v.addresses.iter().map(ToString::to_string).collect();
+        assert_eq!(own, ["10.244.1.0", "fd00:244:1::"]);
+        let mac2 = [0x0a, 0xfe, 192, 168, 0, 2];
+        assert_eq!(
+            v.fdb.iter().copied().collect::<Vec<_>>(),
+            [(mac2, "192.168.0.2".parse().unwrap())]
+        );
+        assert_eq!(v.neighbours.len(), 2);
+        assert!(
+            v.neighbours
+                .contains(&("fd00:244:2::".parse().unwrap(), mac2))
+        );
+        // n3 has no IPv4 InternalIP, the underlay family: reported, not routed.
+        assert_eq!(p.problems.len(), 1, "{:?}", p.problems);
+        assert!(
+            p.problems[0]
+                .message
+                .contains("no IPv4 InternalIP (the overlay's underlay family)")
+        );
+        assert_eq!(vxlan_overhead("192.168.0.1".parse().unwrap()), 50);
+        assert_eq!(vxlan_overhead("fd00::1".parse().unwrap()), 70);
     }
 }

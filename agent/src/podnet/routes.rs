@@ -39,18 +39,21 @@ fn nl_cidr(c: &Cidr) -> NlCidr {
     }
 }
 
-fn ours(dst: &Cidr, via: std::net::IpAddr) -> Route {
+/// The kernel route for `w`; overlay routes go `onlink` through the VXLAN device `vxlan`.
+fn ours(w: &PodRoute, vxlan: Option<i32>) -> Route {
     Route {
-        dst: nl_cidr(dst),
-        gateway: Some(via),
-        oif: None,
+        dst: nl_cidr(&w.dst),
+        gateway: Some(w.via),
+        oif: if w.overlay { vxlan } else { None },
         scope: RT_SCOPE_UNIVERSE,
         protocol: RTPROT_FERRY,
+        onlink: w.overlay,
     }
 }
 
-/// Makes ferry's routes in the main table exactly `want`. Blocking (netlink).
-pub fn reconcile(nl: &mut Netlink, want: &BTreeSet<PodRoute>) -> RouteReport {
+/// Makes ferry's routes in the main table exactly `want`; `vxlan` is the index of the
+/// overlay device (overlay routes are skipped without one). Blocking (netlink).
+pub fn reconcile(nl: &mut Netlink, want: &BTreeSet<PodRoute>, vxlan: Option<i32>) -> RouteReport {
     let mut report = RouteReport::default();
     let have = match nl.routes() {
         Ok(r) => r,
@@ -62,10 +65,16 @@ pub fn reconcile(nl: &mut Netlink, want: &BTreeSet<PodRoute>) -> RouteReport {
     let to_agent = |r: &Route| Cidr::new(r.dst.addr, r.dst.prefix);
     for w in want {
         let same_dst: Vec<&Route> = have.iter().filter(|r| to_agent(r) == Some(w.dst)).collect();
-        if same_dst
-            .iter()
-            .any(|r| r.protocol == RTPROT_FERRY && r.gateway == Some(w.via))
-        {
+        let route = ours(w, vxlan);
+        if w.overlay && vxlan.is_none() {
+            continue;
+        }
+        if same_dst.iter().any(|r| {
+            r.protocol == RTPROT_FERRY
+                && r.gateway == route.gateway
+                && r.onlink == route.onlink
+                && (route.oif.is_none() || r.oif == route.oif)
+        }) {
             continue;
         }
         if let Some(other) = same_dst.iter().find(|r| r.protocol != RTPROT_FERRY) {
@@ -76,8 +85,9 @@ pub fn reconcile(nl: &mut Netlink, want: &BTreeSet<PodRoute>) -> RouteReport {
             continue;
         }
         // Replaces ferry's own route to the CIDR if its gateway changed.
-        match nl.add_route(&ours(&w.dst, w.via)) {
+        match nl.add_route(&route) {
             Ok(()) => report.added.push(*w),
+            Err(e) if w.overlay => report.errors.push(format!("adding route {w}: {e}")),
             Err(e) => report.errors.push(format!(
                 "adding route {w}: {e} (a node's InternalIP must be on a link this node shares; otherwise use --overlay vxlan)"
             )),
