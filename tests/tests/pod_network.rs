@@ -13,6 +13,8 @@
 //! - An agent restart keeps a pod-to-pod connection and changes no route.
 //! - Pod traffic to the outside leaves with the node's address, and with
 //!   `--masquerade=false` it does not.
+//! - The VXLAN overlay carries the same mesh.
+//! - Nodes from the Kubernetes API (the fake API server) drive the same.
 
 use std::{collections::BTreeSet, net::IpAddr, process::Child, time::Duration};
 
@@ -490,4 +492,133 @@ fn the_vxlan_overlay_carries_pods_of_every_node_and_follows_the_nodes() {
     );
     let o = whoami(&c, "n1a", &hostport(c.pod("n2a").v4, SRV));
     assert!(o.ok, "n1a -> n2a with node3 gone: {o:?}");
+}
+
+/// A Node for the fake API server: `pod_cidrs`, InternalIPs `ips`, and `ready` as its
+/// Ready condition (a heartbeat changes only that).
+fn api_node(name: &str, pod_cidrs: &[&str], ips: &[String], ready: &str) -> serde_json::Value {
+    let addresses: Vec<serde_json::Value> = ips
+        .iter()
+        .map(|ip| serde_json::json!({"type": "InternalIP", "address": ip}))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "spec": {"podCIDR": pod_cidrs[0], "podCIDRs": pod_cidrs},
+        "status": {
+            "addresses": addresses,
+            "conditions": [{"type": "Ready", "status": ready, "reason": "KubeletReady"}],
+        },
+    })
+}
+
+#[test]
+fn nodes_from_the_api_drive_the_cni_configuration_and_routes() {
+    use ferry_tests::fakeapi::Kind;
+    let mut w = World::new("podnet-api", 1, &[SRV]);
+    let api = w.start_fake_api();
+    let own = [NODE_V4.to_string(), NODE_V6.to_string()];
+    // node2 and node3 are on the node's own link (its eth0 subnets).
+    let ip2 = ["192.168.50.20".to_string(), "fd00:50::20".to_string()];
+    let ip3 = ["192.168.50.30".to_string()];
+    api.apply(api_node(
+        "node1",
+        &["10.203.1.0/24", "fd00:203:1::/64"],
+        &own,
+        "True",
+    ));
+    api.apply(api_node(
+        "node2",
+        &["10.203.2.0/24", "fd00:203:2::/64"],
+        &ip2,
+        "True",
+    ));
+    let conf = w.workdir.join("net.d");
+    let args = [
+        "--pod-network".to_string(),
+        format!("--cni-conf-dir={}", conf.display()),
+        format!("--cni-bin-dir={}", w.workdir.join("cni-bin").display()),
+        format!("--cni-data-dir={}", w.workdir.join("cni-data").display()),
+        format!("--cni-plugin={}", bin("ferry-cni").display()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let kubeconfig = w.write_kubeconfig(&api);
+    w.start_agent_kube(&kubeconfig, &args);
+    let routes = |w: &World| {
+        let mut out = BTreeSet::new();
+        for fam in ["-4", "-6"] {
+            for l in sh(&format!("ip {fam} -n {} route show proto 245", w.node_ns)).lines() {
+                out.insert(l.trim().to_string());
+            }
+        }
+        out
+    };
+    let want2: BTreeSet<String> = [
+        "10.203.2.0/24 via 192.168.50.20 dev eth0".to_string(),
+        "fd00:203:2::/64 via fd00:50::20 dev eth0 metric 1024 pref medium".to_string(),
+    ]
+    .into();
+    eventually(
+        "the routes to node2's pods",
+        Duration::from_secs(10),
+        || {
+            let r = routes(&w);
+            if r == want2 {
+                Ok(())
+            } else {
+                Err(format!("{r:?}\n{}", w.agent_log()))
+            }
+        },
+    );
+    let text = std::fs::read_to_string(conf.join("10-ferry.conflist")).expect("conflist");
+    let list: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        list["plugins"][0]["podCIDRs"],
+        serde_json::json!(["10.203.1.0/24", "fd00:203:1::/64"]),
+        "{text}"
+    );
+
+    // A heartbeat (only the Ready condition changes), then a new node: one route more,
+    // and node2's routes were not touched again.
+    api.apply(api_node(
+        "node2",
+        &["10.203.2.0/24", "fd00:203:2::/64"],
+        &ip2,
+        "Unknown",
+    ));
+    api.apply(api_node("node3", &["10.203.3.0/24"], &ip3, "True"));
+    let mut want3 = want2.clone();
+    want3.insert("10.203.3.0/24 via 192.168.50.30 dev eth0".to_string());
+    eventually("the route to node3's pods", Duration::from_secs(10), || {
+        let r = routes(&w);
+        if r == want3 {
+            Ok(())
+        } else {
+            Err(format!("{r:?}"))
+        }
+    });
+    assert_eq!(
+        w.agent_log().matches("route to a node's pods").count(),
+        3,
+        "each route is added once:\n{}",
+        w.agent_log()
+    );
+
+    // node2 is deleted: its routes go, node3's stays.
+    assert!(api.delete(Kind::Node, "", "node2"));
+    let only3: BTreeSet<String> = ["10.203.3.0/24 via 192.168.50.30 dev eth0".to_string()].into();
+    eventually(
+        "node2's routes are removed",
+        Duration::from_secs(10),
+        || {
+            let r = routes(&w);
+            if r == only3 {
+                Ok(())
+            } else {
+                Err(format!("{r:?}"))
+            }
+        },
+    );
+    drop(api);
 }
