@@ -57,6 +57,9 @@ pub struct AgentConfig {
     pub takeover_kube_proxy: bool,
     /// `--pod-network`: CNI configuration, routes between nodes, masquerade.
     pub pod_network: Option<crate::podnet::PodNetConfig>,
+    /// `--service-routing=false`: no Service routing at all (kube-proxy stays in charge);
+    /// only the pod network runs. Requires `pod_network`.
+    pub service_routing: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -567,6 +570,41 @@ fn start_manifests(
     });
 }
 
+/// `--service-routing=false`: only the pod network, fed by the same source; no BPF at
+/// all. /healthz answers 200 once the pod network's first reconcile is done.
+async fn run_pod_network_only(
+    cfg: AgentConfig,
+    client: Option<kube::Client>,
+    status: SharedStatus,
+) -> Result<(), AgentError> {
+    let mut pn = cfg
+        .pod_network
+        .clone()
+        .ok_or_else(|| AgentError::Source("--service-routing=false needs --pod-network".into()))?;
+    pn.report_ready = true;
+    info!("Service routing is off (--service-routing=false): running the pod network only");
+    let (ntx, nrx) = watch::channel(crate::podnet::Nodes::default());
+    tokio::spawn(crate::podnet::run(pn, nrx, status.clone()));
+    match (&cfg.source, client) {
+        (SourceConfig::Manifests(dir), _) => {
+            // The Service events have no reader here; only the Nodes are used.
+            let (tx, _) = mpsc::unbounded_channel();
+            start_manifests(dir.clone(), tx, status.clone(), Some(ntx));
+        }
+        (SourceConfig::Kube { .. }, Some(client)) => {
+            tokio::spawn(source::kube::watch_nodes(client, ntx));
+        }
+        (SourceConfig::Kube { .. }, None) => unreachable!("client built by run"),
+    }
+    let mut sigterm =
+        tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => info!("SIGINT: exiting"),
+        _ = sigterm.recv() => info!("SIGTERM: exiting"),
+    }
+    Ok(())
+}
+
 /// Runs until SIGTERM or SIGINT. Programs and maps stay pinned when it returns.
 pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let status: SharedStatus = Arc::new(Mutex::new(Status::default()));
@@ -598,6 +636,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         ),
         SourceConfig::Manifests(_) => None,
     };
+    if !cfg.service_routing {
+        return run_pod_network_only(cfg, client, status).await;
+    }
     let loaded = dataplane::load(&cfg.load)?;
     if loaded.adopted {
         info!("adopted pinned state from a previous agent; writing only the difference");

@@ -157,6 +157,10 @@ struct AgentArgs {
     /// (docs/pod-network.md). Nodes come from the same source as Services.
     #[arg(long)]
     pod_network: bool,
+    /// Route Services (the default). `false` with --pod-network runs the pod network only
+    /// and leaves Services to a kube-proxy: no BPF program is loaded.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    service_routing: bool,
     /// Where the container runtime reads CNI configurations (--pod-network).
     #[arg(long, default_value = "/etc/cni/net.d")]
     cni_conf_dir: PathBuf,
@@ -323,6 +327,16 @@ fn run_agent(a: AgentArgs) -> Result<()> {
     let devices = tc_devices(&a.devices, node_ips.as_deref())?;
     tracing::info!(devices = ?devices, "tc devices");
     let node_name = a.node_name.unwrap_or_else(node::hostname);
+    if !a.service_routing && !a.pod_network {
+        return Err(usage(
+            "--service-routing=false: with neither Service routing nor --pod-network the agent has nothing to do",
+        ));
+    }
+    if !a.service_routing && a.takeover_kube_proxy {
+        return Err(usage(
+            "--takeover-kube-proxy with --service-routing=false would remove the rules of the kube-proxy that routes Services",
+        ));
+    }
     let pod_network = if a.pod_network {
         let mut no_masquerade = Vec::new();
         for text in &a.no_masquerade_cidrs {
@@ -352,6 +366,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             overlay: matches!(a.overlay, OverlayArg::Vxlan),
             masquerade: a.masquerade,
             no_masquerade,
+            report_ready: false,
         })
     } else {
         None
@@ -377,6 +392,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         metrics_addr: a.metrics_addr,
         takeover_kube_proxy: a.takeover_kube_proxy,
         pod_network,
+        service_routing: a.service_routing,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -16,7 +16,12 @@
 //! - The VXLAN overlay carries the same mesh.
 //! - Nodes from the Kubernetes API (the fake API server) drive the same.
 
-use std::{collections::BTreeSet, net::IpAddr, process::Child, time::Duration};
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    process::{Child, Command},
+    time::Duration,
+};
 
 use ferry_tests::*;
 
@@ -621,4 +626,55 @@ fn nodes_from_the_api_drive_the_cni_configuration_and_routes() {
         },
     );
     drop(api);
+}
+
+#[test]
+fn with_service_routing_off_only_the_pod_network_runs() {
+    let mut c = pod_network_cluster_with("podnet-only", &["--service-routing=false"]);
+    assert_pod_mesh(&c);
+    // No BPF program or map: the agent pinned nothing.
+    for n in 1..=NODES {
+        let pins: Vec<_> = std::fs::read_dir(&c.node(n).bpffs)
+            .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            pins.is_empty(),
+            "node{n} pinned {pins:?} without Service routing"
+        );
+    }
+    // A Service is left to kube-proxy: its ClusterIP is not translated here.
+    let eps: Vec<Ep> = ["n2a", "n3a"].iter().map(|p| ep(c.pod(p).v4)).collect();
+    c.write_manifest(
+        "web.yaml",
+        &docs(&[
+            service("web", &[VIP], &[("http", 80, "TCP")], ""),
+            slice("web", "web-v4", "IPv4", &[("http", SRV, "TCP")], &eps),
+        ]),
+    );
+    let vip = hostport(VIP.parse::<IpAddr>().unwrap(), 80);
+    let outs = c.probe_pod("n1a", "tcp", &vip, 3);
+    assert!(
+        outs.iter().all(|o| !o.ok),
+        "{vip} was served without Service routing: {outs:?}"
+    );
+    assert!(c.agent_log(1).contains("running the pod network only"));
+    // Taking over from the kube-proxy that routes Services is refused.
+    c.stop_agent(1, libc::SIGTERM);
+    let out = Command::new(bin("ferry"))
+        .args([
+            "agent",
+            "--service-routing=false",
+            "--pod-network",
+            "--takeover-kube-proxy",
+            "--manifests",
+        ])
+        .arg(&c.manifests)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--takeover-kube-proxy with --service-routing=false"),
+        "{out:?}"
+    );
 }
