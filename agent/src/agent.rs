@@ -102,6 +102,8 @@ struct Syncer {
     /// ServicePorts that did not fit; retried on every sync (space may have freed).
     plan_errors: BTreeMap<ServicePortId, PlanError>,
     logged: std::collections::BTreeSet<String>,
+    /// The plan-error summary last logged.
+    logged_plan_errors: Vec<String>,
     needs_retry: bool,
     /// The tc path's Maglev tables and source ranges, next to `programmed`.
     external: External,
@@ -229,9 +231,9 @@ impl Syncer {
             },
         };
         for e in errors {
-            error!("{e}");
             self.plan_errors.insert(e.service().clone(), e.clone());
         }
+        self.log_plan_errors();
         let report = self.maps.apply(&plan);
         if full {
             // After a full plan the index starts over from what is programmed.
@@ -308,6 +310,22 @@ impl Syncer {
         self.engine.restore_desired(desired.services);
         self.programmed = Some(programmed);
         Ok((plan, errors, fresh))
+    }
+
+    /// The ServicePorts that are not programmed, summarized per cause, logged when the
+    /// summary changes (not on every sync, and not one line per Service).
+    fn log_plan_errors(&mut self) {
+        let errors: Vec<&PlanError> = self.plan_errors.values().collect();
+        let lines = dataplane::plan::summarize(&errors);
+        if lines != self.logged_plan_errors {
+            for l in &lines {
+                error!("{l}");
+            }
+            if lines.is_empty() {
+                info!("every ServicePort is programmed again");
+            }
+            self.logged_plan_errors = lines;
+        }
     }
 
     /// Logs each problem and skip once (not on every sync), so the log stays readable.
@@ -695,6 +713,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         status: status.clone(),
         plan_errors: BTreeMap::new(),
         logged: Default::default(),
+        logged_plan_errors: Vec::new(),
         needs_retry: false,
         udp_backends: Default::default(),
         external: External::default(),

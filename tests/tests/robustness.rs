@@ -145,6 +145,53 @@ fn full_map_new_service_is_reported_not_programmed() {
     );
 }
 
+/// A cluster far over the bound gets one line per cause, with the count and the first
+/// names, not one line per Service; and the same summary is not logged again on every
+/// sync.
+#[test]
+fn services_over_the_bound_are_reported_in_one_line() {
+    let mut w = World::new("overbound", 1, &[8080]);
+    let pod1 = ep(w.pod("pod1").v4);
+    let all: Vec<String> = (0..40)
+        .map(|i| {
+            svc(
+                &format!("s{i:02}"),
+                &format!("10.96.1.{i}"),
+                std::slice::from_ref(&pod1),
+            )
+        })
+        .collect();
+    w.write_manifest("many.yaml", &all.join("---\n"));
+    w.start_agent(&SMALL_MAP);
+    let line = log_line(
+        &w,
+        "one summary line for the 39 Services that do not fit",
+        &[
+            "39 ServicePorts do not fit the",
+            "and 34 more",
+            "raise --max-services",
+        ],
+    );
+    assert!(line.contains("ERROR"), "{line}");
+    assert_metric(&w, "ferry_plan_errors", 39.0, "39 do not fit");
+    // A change elsewhere (another sync) does not repeat the same summary.
+    w.write_manifest(
+        "other.yaml",
+        &svc("zz", "10.96.2.1", std::slice::from_ref(&pod1)),
+    );
+    log_line(
+        &w,
+        "the summary follows the 40th Service that does not fit",
+        &["40 ServicePorts do not fit the"],
+    );
+    let log = w.agent_log();
+    let lines = log.lines().filter(|l| l.contains("do not fit the")).count();
+    assert_eq!(
+        lines, 2,
+        "one line per change of the summary, not per Service or sync:\n{log}"
+    );
+}
+
 #[test]
 fn programmed_service_is_never_pushed_out() {
     let mut w = World::new("pushout", 1, &[8080]);

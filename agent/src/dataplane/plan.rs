@@ -81,6 +81,72 @@ impl PlanError {
     }
 }
 
+/// How many ServicePorts a summary line names before "and N more".
+const SUMMARY_NAMES: usize = 5;
+
+/// The ServicePorts that were not programmed, one line per cause (map and flag, or too
+/// many endpoints) with the count and the first few names in order: a cluster far over
+/// a bound gets a handful of lines, not one per Service.
+pub fn summarize(errors: &[&PlanError]) -> Vec<String> {
+    let mut groups: BTreeMap<(u8, &'static str, &'static str), Vec<&PlanError>> = BTreeMap::new();
+    for e in errors {
+        let key = match e {
+            PlanError::MapFull { map, flag, .. } => (0, *map, *flag),
+            PlanError::TooManyEndpoints { .. } => (1, "", ""),
+        };
+        groups.entry(key).or_default().push(e);
+    }
+    let mut out = Vec::new();
+    for ((_, map, flag), mut group) in groups {
+        group.sort_by(|a, b| a.service().cmp(b.service()));
+        let n = group.len();
+        let mut names: Vec<String> = group
+            .iter()
+            .take(SUMMARY_NAMES)
+            .map(|e| match e {
+                PlanError::MapFull { service, .. } => service.to_string(),
+                PlanError::TooManyEndpoints { service, count, .. } => {
+                    format!("{service} ({count} endpoints)")
+                }
+            })
+            .collect();
+        if n > SUMMARY_NAMES {
+            names.push(format!("and {} more", n - SUMMARY_NAMES));
+        }
+        let (s, verb) = if n == 1 { ("", "does") } else { ("s", "do") };
+        let line = match group[0] {
+            PlanError::MapFull { capacity, .. } => {
+                let free = group
+                    .iter()
+                    .filter_map(|e| match e {
+                        PlanError::MapFull { free, .. } => Some(*free),
+                        PlanError::TooManyEndpoints { .. } => None,
+                    })
+                    .min()
+                    .unwrap_or(0);
+                let needed: u64 = group
+                    .iter()
+                    .map(|e| match e {
+                        PlanError::MapFull { needed, .. } => u64::from(*needed),
+                        PlanError::TooManyEndpoints { .. } => 0,
+                    })
+                    .sum();
+                format!(
+                    "{n} ServicePort{s} {verb} not fit the {map} map ({needed} more entries needed, {free} free of {capacity}): {}; not programmed, every other ServicePort is; raise --{flag}",
+                    names.join(", ")
+                )
+            }
+            PlanError::TooManyEndpoints { max, .. } => format!(
+                "{n} ServicePort{s} {} more endpoints than ferry serves per frontend ({max}): {}; not programmed",
+                if n == 1 { "has" } else { "have" },
+                names.join(", ")
+            ),
+        };
+        out.push(line);
+    }
+    out
+}
+
 /// What the maps hold (or must hold), as plain ordered collections.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MapContent {
@@ -1636,5 +1702,41 @@ pub(crate) mod tests {
         assert_eq!(plan.len(), render_plan(&plan).lines().count());
         // b: backend, member, slot 1, slot 0; a: 3 slots, 2 members, 2 backends.
         assert_eq!(plan.len(), 4 + 7);
+    }
+
+    #[test]
+    fn plan_errors_are_summarized_per_cause_with_the_first_names() {
+        let id = |name: &str| ServicePortId {
+            namespace: "default".into(),
+            name: name.into(),
+            port_name: "http".into(),
+            protocol: crate::model::Protocol::Tcp,
+            family: crate::model::IpFamily::V4,
+        };
+        let full = |name: &str, free: u32| PlanError::MapFull {
+            service: id(name),
+            map: "FERRY_SVC",
+            flag: "max-services",
+            needed: 2,
+            free,
+            capacity: 16,
+        };
+        let mut errors: Vec<PlanError> = (0..8).map(|i| full(&format!("s{i}"), 1)).collect();
+        errors.push(full("a0", 0));
+        errors.push(PlanError::TooManyEndpoints {
+            service: id("big"),
+            count: 70000,
+            max: 65535,
+        });
+        let refs: Vec<&PlanError> = errors.iter().collect();
+        let lines = summarize(&refs);
+        assert_eq!(
+            lines,
+            [
+                "9 ServicePorts do not fit the FERRY_SVC map (18 more entries needed, 0 free of 16): default/a0:http/TCP/IPv4, default/s0:http/TCP/IPv4, default/s1:http/TCP/IPv4, default/s2:http/TCP/IPv4, default/s3:http/TCP/IPv4, and 4 more; not programmed, every other ServicePort is; raise --max-services",
+                "1 ServicePort has more endpoints than ferry serves per frontend (65535): default/big:http/TCP/IPv4 (70000 endpoints); not programmed",
+            ]
+        );
+        assert!(summarize(&[]).is_empty());
     }
 }
