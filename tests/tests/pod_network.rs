@@ -7,7 +7,8 @@
 //!
 //! - The Kubernetes network model: every pod reaches every pod and every node, in both
 //!   families, and the other side sees the pod's own address (no NAT).
-//! - Services keep working over these pods: ClusterIP from a pod, another node's NodePort.
+//! - Services keep working over these pods: ClusterIP from a pod, another node's NodePort,
+//!   a NodePort from outside the cluster.
 //! - Routes follow the Nodes: a Node removed takes its routes with it, added back
 //!   brings them back; routes of other owners stay.
 //! - An agent restart keeps a pod-to-pod connection and changes no route.
@@ -243,6 +244,20 @@ fn every_pod_reaches_every_pod_and_node_with_its_own_address_and_services_work()
             },
         );
         assert_eq!(got, want);
+    }
+    // An external client (no route to any pod CIDR) through node 1's NodePort: the tc
+    // path forwards to pods on every node over the pod network's routes.
+    for addr in [
+        hostport(c.node(1).v4, NODE_PORT),
+        hostport(c.node(1).v6, NODE_PORT),
+    ] {
+        let outs = c.probe_ext(1, "tcp", &addr, 60);
+        all_ok(&outs, &format!("client1 -> {addr}"));
+        let seen: BTreeSet<String> = outs
+            .iter()
+            .filter_map(|o| o.backend().map(String::from))
+            .collect();
+        assert_eq!(seen, want, "client1 -> {addr} reaches every pod");
     }
 }
 
