@@ -80,12 +80,16 @@ struct PodSpec {
 }
 
 fn daemonset() -> PodSpec {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/ferry.yaml");
+    daemonset_from(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/ferry.yaml"))
+}
+
+/// The agent container of the first DaemonSet in the YAML file `path`.
+fn daemonset_from(path: &str) -> PodSpec {
     let text = fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
     let ds = serde_yaml::Deserializer::from_str(&text)
         .map(|d| Value::deserialize(d).expect("deploy/ferry.yaml is valid YAML"))
         .find(|d| d["kind"].as_str() == Some("DaemonSet"))
-        .expect("deploy/ferry.yaml has a DaemonSet");
+        .unwrap_or_else(|| panic!("{path} has no DaemonSet"));
     let c = &ds["spec"]["template"]["spec"]["containers"][0];
     let list = |v: &Value| -> Vec<String> {
         v.as_sequence()
@@ -388,6 +392,9 @@ struct HostDirs {
     /// The world's pod namespaces bind-mounted here, as a CNI pins them in /run/netns.
     netns_dir: PathBuf,
     netns_pins: Vec<PathBuf>,
+    /// The pod network's host directories (the Gardener-rendered DaemonSet mounts them):
+    /// CNI configuration, CNI plugins, ferry's state.
+    cni: Option<(PathBuf, PathBuf, PathBuf)>,
 }
 
 impl HostDirs {
@@ -464,6 +471,16 @@ fn run_agent(ctr: &Containerd, w: &World, spec: &PodSpec, dirs: &HostDirs, log: 
             "netns" => dirs.netns_dir.clone(),
             // The node's own iptables lock, as on a real node.
             "xtables-lock" => xtables_lock(),
+            "cni-conf" | "cni-bin" | "ferry-state" => {
+                let (conf, bin_dir, state) = dirs.cni.clone().unwrap_or_else(|| {
+                    panic!("the DaemonSet mounts {name}: give the test its pod-network dirs")
+                });
+                match name.as_str() {
+                    "cni-conf" => conf,
+                    "cni-bin" => bin_dir,
+                    _ => state,
+                }
+            }
             other => {
                 panic!("deploy/ferry.yaml mounts volume {other}: teach this test its host side")
             }
@@ -609,6 +626,7 @@ fn image_runs_as_the_daemonset_would() {
         bpffs: w.bpffs.clone(),
         netns_dir: w.workdir.join("netns"),
         netns_pins: Vec::new(),
+        cni: None,
     };
     fs::create_dir_all(&dirs.bpffs).expect("bpffs dir");
     fs::create_dir_all(&dirs.netns_dir).expect("netns dir");
@@ -794,4 +812,143 @@ impl Drop for UdpClient {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The DaemonSet the Gardener extension renders for a shoot without kube-proxy
+/// (gardener/testdata/ipv4-kube-proxy-disabled.yaml, which ferry-gardener's golden test
+/// keeps equal to its output from deploy/ferry.yaml) runs under containerd too, with its
+/// pod network: the agent in the container installs the CNI plugin from the image into
+/// the host's CNI bin directory, writes the configuration once its Node has pod CIDRs,
+/// routes another node's pod CIDR, sets the masquerade table, and a pod wired by the
+/// installed plugin reaches the node and a ClusterIP.
+#[test]
+fn the_gardener_rendered_daemonset_runs_the_pod_network() {
+    require_kernel();
+    require_runtime();
+    let archive = archive();
+    let spec = daemonset_from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../gardener/testdata/ipv4-kube-proxy-disabled.yaml"
+    ));
+    assert!(
+        spec.args.iter().any(|a| a == "--pod-network"),
+        "{:?}",
+        spec.args
+    );
+
+    let w = World::new("container-podnet", 1, &[8080]);
+    enable_forwarding(&w);
+    write_services(&w, &["pod1"]);
+    let node = |name: &str, cidr: &str, ip: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\nspec:\n  podCIDRs: [{cidr}]\nstatus:\n  addresses:\n  - {{type: InternalIP, address: {ip}}}\n"
+        )
+    };
+    w.write_manifest(
+        "nodes.yaml",
+        &docs(&[
+            node("node1", "10.204.1.0/24", &NODE_V4.to_string()),
+            node("node2", "10.204.2.0/24", "192.168.50.20"),
+        ]),
+    );
+    let cni_root = w.workdir.join("host-cni");
+    let cni = (
+        cni_root.join("etc-cni-net.d"),
+        cni_root.join("opt-cni-bin"),
+        cni_root.join("var-lib-ferry"),
+    );
+    for d in [&cni.0, &cni.1, &cni.2] {
+        fs::create_dir_all(d).unwrap();
+    }
+    let dirs = HostDirs {
+        bpffs: w.bpffs.clone(),
+        netns_dir: w.workdir.join("netns"),
+        netns_pins: Vec::new(),
+        cni: Some(cni.clone()),
+    };
+    fs::create_dir_all(&dirs.bpffs).expect("bpffs dir");
+    fs::create_dir_all(&dirs.netns_dir).expect("netns dir");
+    let log = w.workdir.join("agent-container.log");
+    let ctr = Containerd::start(&w.name);
+    ctr.ctr_ok(&["images", "import", &archive.to_string_lossy()]);
+    run_agent(&ctr, &w, &spec, &dirs, &log);
+
+    // The plugin from the image, installed on the host; the configuration for node1.
+    let conf = cni.0.join("10-ferry.conflist");
+    eventually(
+        "the CNI configuration on the host",
+        Duration::from_secs(10),
+        || {
+            if conf.exists() {
+                Ok(())
+            } else {
+                Err(tail(&fs::read_to_string(&log).unwrap_or_default(), 10))
+            }
+        },
+    );
+    let list: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&conf).unwrap()).unwrap();
+    assert_eq!(
+        list["plugins"][0]["podCIDRs"],
+        serde_json::json!(["10.204.1.0/24"])
+    );
+    assert_eq!(list["plugins"][0]["dataDir"], "/var/lib/ferry/cni");
+    let plugin = cni.1.join("ferry-cni");
+    assert_eq!(
+        fs::read(&plugin).expect("ferry-cni installed on the host"),
+        fs::read(bin("ferry-cni")).unwrap(),
+        "the image's plugin is the one built"
+    );
+    // The route to node2's pods and the masquerade table, made from inside the container.
+    eventually("the route to node2's pods", Duration::from_secs(10), || {
+        let r = sh(&format!("ip -n {} route show proto 245", w.node_ns));
+        if r.contains("10.204.2.0/24 via 192.168.50.20 dev eth0") {
+            Ok(())
+        } else {
+            Err(r)
+        }
+    });
+    let tables = sh(&format!("ip netns exec {} nft list tables", w.node_ns));
+    assert!(tables.contains("table ip ferry-podnet"), "{tables}");
+
+    // A pod wired by the installed plugin (its store in the host's /var/lib/ferry is the
+    // one the configuration names: run here with the host path).
+    let pod_ns = format!("{}-cnipod", w.name);
+    sh(&format!("ip netns add {pod_ns}"));
+    struct DelNs(String);
+    impl Drop for DelNs {
+        fn drop(&mut self) {
+            sh_quiet(&format!("ip netns del {}", self.0));
+        }
+    }
+    let _pod_guard = DelNs(pod_ns.clone());
+    let mut conf_obj = list["plugins"][0].clone();
+    conf_obj["cniVersion"] = list["cniVersion"].clone();
+    conf_obj["name"] = list["name"].clone();
+    conf_obj["dataDir"] = serde_json::json!(cni.2.join("cni"));
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &w.node_ns])
+        .arg(&plugin)
+        .env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", "cnipod")
+        .env("CNI_NETNS", format!("/var/run/netns/{pod_ns}"))
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", &cni.1)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        &mut child.stdin.take().unwrap(),
+        conf_obj.to_string().as_bytes(),
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "CNI ADD: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_reaches_all(&w, &pod_ns, &format!("{VIP}:80"));
+    stop_agent(&ctr, &log);
 }
