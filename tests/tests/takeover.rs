@@ -121,6 +121,10 @@ fn agent_takes_over_from_kube_proxy_without_dropping_connections() {
         probing.join().unwrap()
     });
     assert!(attempts > 20, "only {attempts} connects during the switch");
+    eprintln!(
+        "takeover: {attempts} new connections from before the agent started until after the rules were gone, {} failed",
+        failures.len()
+    );
     assert!(
         failures.is_empty(),
         "{} of {attempts} new connections failed during the takeover: {failures:?}\n{}",
