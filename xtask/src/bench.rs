@@ -1,5 +1,5 @@
 //! `cargo xtask bench [name] [--quick] [-- flags]`: builds everything, then runs
-//! `target/release/ferry-bench` (docs/benchmarks.md). Without a name it runs all three
+//! `target/release/ferry-bench` (docs/benchmarks.md). Without a name it runs all four
 //! benchmarks and prints one table of every target.
 
 use std::process::Command;
@@ -8,12 +8,13 @@ use anyhow::{Result, bail};
 
 use crate::build::{self, workspace_root};
 
-/// The benchmarks `ferry-bench` knows; `all` runs the other three.
-pub(crate) const BENCHMARKS: [&str; 4] = [
+/// The benchmarks `ferry-bench` knows; `all` runs the other four.
+pub(crate) const BENCHMARKS: [&str; 5] = [
     "all",
     "control-plane",
     "datapath-clusterip",
     "datapath-external",
+    "pod-network",
 ];
 
 pub(crate) fn run(name: Option<&str>, quick: bool, extra: &[String]) -> Result<()> {

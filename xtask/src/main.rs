@@ -42,9 +42,9 @@ enum Cmd {
     /// Show ferry at work in a small world of network namespaces (root).
     Demo,
     /// Build everything, then run the benchmarks (root): all of them, or one of
-    /// `control-plane`, `datapath-clusterip`, `datapath-external`.
+    /// `control-plane`, `datapath-clusterip`, `datapath-external`, `pod-network`.
     Bench {
-        /// Which benchmark (default: all three, with one table of every target).
+        /// Which benchmark (default: all four, with one table of every target).
         name: Option<String>,
         /// Fewer scales and shorter runs, for development (not for published figures).
         #[arg(long)]

@@ -30,6 +30,10 @@ pub(crate) enum Res {
 
 static REGISTRY: Mutex<Vec<(u64, Res)>> = Mutex::new(Vec::new());
 static SEQ: Mutex<u64> = Mutex::new(0);
+/// Held while `release_all` runs, and by the signal thread until the process exits: a
+/// main thread that fails because the signal thread killed its processes waits in
+/// `release_all` instead of exiting half-way through the removal.
+static RELEASING: Mutex<()> = Mutex::new(());
 
 /// Removes its resource when dropped.
 pub(crate) struct Guard(u64);
@@ -107,6 +111,11 @@ fn release(r: &Res) {
 /// Removes everything still registered: processes first, then pins, cgroups,
 /// namespaces, directories and sysctls (so nothing is still using what goes next).
 pub(crate) fn release_all() {
+    let _releasing = RELEASING.lock().unwrap_or_else(|e| e.into_inner());
+    release_registered();
+}
+
+fn release_registered() {
     let mut all: Vec<Res> = REGISTRY
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -174,8 +183,10 @@ pub(crate) fn install_signal_handler() {
         // SAFETY: waits on the signals blocked above.
         unsafe { libc::sigwait(&set, &mut sig) };
         eprintln!("\nferry-bench: interrupted, removing agents, pins, cgroups and namespaces");
+        // Kept until the exit below.
+        let _releasing = RELEASING.lock().unwrap_or_else(|e| e.into_inner());
         crate::control_plane::on_signal();
-        release_all();
+        release_registered();
         std::process::exit(130);
     });
 }

@@ -134,22 +134,9 @@ fn build(workdir: &Path, log: &Path) -> Result<World, String> {
         clients.push(c);
         nodes.push(n);
     }
-    let mut cmd = Command::new("iperf3");
     // Bound to the backend address, so that UDP replies leave from it (the backend ns
     // has other addresses, on the links to the nodes).
-    cmd.args([
-        "-s",
-        "-p",
-        &PORT.to_string(),
-        "-A",
-        "1",
-        "-B",
-        &BACKEND.to_string(),
-    ])
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::null());
-    let iperf = Proc::new(spawn_in(&backend_ns, None, &mut cmd));
+    let iperf = crate::util::iperf_server(&backend_ns, BACKEND, PORT);
 
     // kube-proxy's iptables layout in its node.
     let rules = workdir.join("external-iptables.rules");
@@ -261,28 +248,7 @@ fn iperf(w: &World, k: usize, udp: bool, secs: u64) -> Result<f64, String> {
         "ip netns exec {} iperf3 -c {ip} -p {port} {mode} -t {secs} -O 1 -A 0 -J --connect-timeout 3000",
         w.clients[k]
     ))?;
-    let v: Value = serde_json::from_str(&out).map_err(|e| format!("iperf3 output: {e}"))?;
-    if let Some(e) = v["error"].as_str() {
-        return Err(format!("iperf3: {e}"));
-    }
-    let end = &v["end"];
-    if udp {
-        // What the server received: the sender's count less the lost ones.
-        let s = if end["sum_received"].is_object() {
-            &end["sum_received"]
-        } else {
-            &end["sum"]
-        };
-        let packets = s["packets"].as_f64().unwrap_or(0.0);
-        let lost = s["lost_packets"].as_f64().unwrap_or(0.0);
-        let secs = s["seconds"].as_f64().unwrap_or(secs as f64).max(0.001);
-        Ok((packets - lost).max(0.0) / secs)
-    } else {
-        Ok(end["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap_or(0.0)
-            / 1e9)
-    }
+    crate::util::iperf_rate(&out, udp, secs)
 }
 
 pub(crate) fn targets(r: &Value) -> Vec<(String, bool, String)> {
@@ -313,14 +279,7 @@ pub(crate) fn targets(r: &Value) -> Vec<(String, bool, String)> {
 
 pub(crate) fn markdown(r: &Value) -> String {
     let med = |v: &Value| v["median"].as_f64().unwrap_or(f64::NAN);
-    let rng = |v: &Value| {
-        format!(
-            "{:.3} [{:.3}-{:.3}]",
-            med(v),
-            v["min"].as_f64().unwrap_or(f64::NAN),
-            v["max"].as_f64().unwrap_or(f64::NAN)
-        )
-    };
+    let rng = crate::report::ratio;
     let mut s = String::from(
         "| test | routing only | ferry (tc) | iptables | ferry / routing | iptables / routing | ferry / iptables |\n|---|---|---|---|---|---|---|\n",
     );
@@ -342,13 +301,7 @@ pub(crate) fn markdown(r: &Value) -> String {
             rng(&x["ferry_vs_iptables"]),
         ));
     }
-    s.push_str("\nTargets:\n\n| target | result | |\n|---|---|---|\n");
-    for (what, ok, val) in targets(r) {
-        s.push_str(&format!(
-            "| {what} | {val} | {} |\n",
-            if ok { "met" } else { "**missed**" }
-        ));
-    }
+    s.push_str(&crate::report::targets_table(&targets(r)));
     s
 }
 

@@ -5,10 +5,11 @@
 //! ferry-bench datapath-clusterip [--quick] [--out DIR] [--docs FILE|--no-docs] [--services N,N..]
 //!                                [--rounds R] [--seconds S] [--workers W] [--changes C] [--no-profile]
 //! ferry-bench datapath-external  [--quick] [--out DIR] [--docs FILE|--no-docs] [--rounds R] [--seconds S]
+//! ferry-bench pod-network        [--quick] [--out DIR] [--docs FILE|--no-docs] [--rounds R] [--seconds S] [--no-vxlan]
 //! ferry-bench all                [--quick] [--out DIR] [--docs FILE|--no-docs]
 //! ```
 //!
-//! `all` runs the three and prints one table of every target. The datapath benchmarks
+//! `all` runs the four and prints one table of every target. The datapath benchmarks
 //! write `DIR/datapath-*.json`, PNG plots next to the docs file, and their generated
 //! section of the docs file. Everything they create (namespaces, agents, pins, cgroups,
 //! rules, processes) is removed when they end, also on failure and on Ctrl-C.
@@ -22,6 +23,7 @@ mod external;
 mod layouts;
 mod load;
 mod plot;
+mod podnet;
 mod report;
 mod util;
 
@@ -32,7 +34,7 @@ use std::{
 
 use serde_json::Value;
 
-const USAGE: &str = "usage: ferry-bench (all | control-plane | datapath-clusterip | datapath-external) [--quick] [--out DIR] [--docs FILE | --no-docs] [flags]\n(see docs/benchmarks.md)";
+const USAGE: &str = "usage: ferry-bench (all | control-plane | datapath-clusterip | datapath-external | pod-network) [--quick] [--out DIR] [--docs FILE | --no-docs] [flags]\n(see docs/benchmarks.md)";
 
 /// Flags shared by the datapath benchmarks and `all`; the rest go to the benchmark.
 struct Common {
@@ -112,6 +114,18 @@ fn external(c: &Common, extra: &[String]) -> Result<Vec<(String, bool, String)>,
     Ok(external::targets(&doc["results"]))
 }
 
+fn pod_network(c: &Common, extra: &[String]) -> Result<Vec<(String, bool, String)>, String> {
+    let mut a = podnet::Args::new(c.quick, c.out.clone());
+    a.parse(extra)?;
+    let (doc, md) = podnet::run(&a)?;
+    println!("\n## pod-network\n\n{md}");
+    if let Some(d) = &c.docs {
+        report::update_docs(d, "pod-network", &md)?;
+    }
+    println!("results: {}", c.out.join("pod-network.json").display());
+    Ok(podnet::targets(&doc["results"]))
+}
+
 /// The control-plane targets, read back from its JSON.
 fn control_plane_targets(out: &Path) -> Vec<(String, bool, String)> {
     let Ok(text) = std::fs::read_to_string(out.join("control-plane.json")) else {
@@ -178,6 +192,14 @@ fn all(c: &Common) -> ExitCode {
             failed.push("datapath-external");
         }
     }
+    eprintln!("==== pod-network");
+    match pod_network(c, &[]) {
+        Ok(r) => rows.extend(r),
+        Err(e) => {
+            eprintln!("ferry-bench pod-network: {e}");
+            failed.push("pod-network");
+        }
+    }
     println!(
         "\n## All targets{}\n\n| target | result | |\n|---|---|---|",
         if c.quick { " (--quick)" } else { "" }
@@ -233,6 +255,7 @@ fn main() -> ExitCode {
         "all" if c.rest.is_empty() => return all(&c),
         "datapath-clusterip" => clusterip(&c, &c.rest),
         "datapath-external" => external(&c, &c.rest),
+        "pod-network" => pod_network(&c, &c.rest),
         _ => {
             eprintln!(
                 "ferry-bench: unknown benchmark or flags: {}\n{USAGE}",

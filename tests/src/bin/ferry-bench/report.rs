@@ -48,3 +48,21 @@ pub(crate) fn update_docs(doc: &Path, name: &str, body: &str) -> Result<(), Stri
     };
     fs::write(doc, new).map_err(|e| format!("{}: {e}", doc.display()))
 }
+
+/// A ratio's cell: `median [min-max]` of a `util::spread`.
+pub(crate) fn ratio(v: &Value) -> String {
+    let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    format!("{:.3} [{:.3}-{:.3}]", f("median"), f("min"), f("max"))
+}
+
+/// "Targets:" and a table of (target, met, result) rows.
+pub(crate) fn targets_table(rows: &[(String, bool, String)]) -> String {
+    let mut s = String::from("\nTargets:\n\n| target | result | |\n|---|---|---|\n");
+    for (what, ok, val) in rows {
+        s.push_str(&format!(
+            "| {what} | {val} | {} |\n",
+            if *ok { "met" } else { "**missed**" }
+        ));
+    }
+    s
+}

@@ -132,3 +132,49 @@ pub(crate) fn min_max(v: &[f64]) -> (f64, f64) {
             (lo.min(*x), hi.max(*x))
         })
 }
+
+/// The rate in iperf3's `-J` output of a client run of `secs` seconds: Gbit/s received
+/// for TCP, datagrams received per second for UDP (the sender's count less the lost
+/// ones). An iperf3 error is an error.
+pub(crate) fn iperf_rate(json: &str, udp: bool, secs: u64) -> Result<f64, String> {
+    let v: Value = serde_json::from_str(json).map_err(|e| format!("iperf3 output: {e}"))?;
+    if let Some(e) = v["error"].as_str() {
+        return Err(format!("iperf3: {e}"));
+    }
+    let end = &v["end"];
+    if udp {
+        let s = if end["sum_received"].is_object() {
+            &end["sum_received"]
+        } else {
+            &end["sum"]
+        };
+        let packets = s["packets"].as_f64().unwrap_or(0.0);
+        let lost = s["lost_packets"].as_f64().unwrap_or(0.0);
+        let secs = s["seconds"].as_f64().unwrap_or(secs as f64).max(0.001);
+        Ok((packets - lost).max(0.0) / secs)
+    } else {
+        Ok(end["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap_or(0.0)
+            / 1e9)
+    }
+}
+
+/// `iperf3 -s` in `ns` on CPU 1, bound to `ip` (so that UDP replies leave from it),
+/// killed when dropped.
+pub(crate) fn iperf_server(ns: &str, ip: std::net::Ipv4Addr, port: u16) -> crate::cleanup::Proc {
+    let mut cmd = Command::new("iperf3");
+    cmd.args([
+        "-s",
+        "-p",
+        &port.to_string(),
+        "-A",
+        "1",
+        "-B",
+        &ip.to_string(),
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    crate::cleanup::Proc::new(ferry_tests::spawn_in(ns, None, &mut cmd))
+}
