@@ -189,6 +189,10 @@ struct AgentArgs {
     /// and node addresses (e.g. the Service CIDR or peered networks).
     #[arg(long, value_delimiter = ',')]
     no_masquerade_cidrs: Vec<String>,
+    /// Seconds between two checks of the pod network's routes, files and rules when
+    /// nothing changed (what someone removed comes back then).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pod_network_resync: u64,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -367,6 +371,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             masquerade: a.masquerade,
             no_masquerade,
             report_ready: false,
+            resync: std::time::Duration::from_secs(a.pod_network_resync),
         })
     } else {
         None

@@ -693,3 +693,49 @@ fn with_service_routing_off_only_the_pod_network_runs() {
         "{out:?}"
     );
 }
+
+#[test]
+fn what_someone_removes_comes_back_at_the_next_resync() {
+    let c = pod_network_cluster_with("podnet-heal", &["--pod-network-resync=1"]);
+    let ns = c.node(1).netns.clone();
+    let (conf_dir, bin_dir, _) = c.cni_dirs(1);
+    let routes = ferry_routes(&c, 1);
+    std::fs::remove_file(conf_dir.join("10-ferry.conflist")).unwrap();
+    std::fs::remove_file(bin_dir.join("ferry-cni")).unwrap();
+    sh(&format!("ip -n {ns} route del 10.202.2.0/24"));
+    sh(&format!(
+        "ip netns exec {ns} nft delete table ip ferry-podnet"
+    ));
+    sh(&format!(
+        "ip netns exec {ns} sysctl -qw net.ipv4.ip_forward=0"
+    ));
+    eventually(
+        "node1's pod network is whole again",
+        Duration::from_secs(10),
+        || {
+            let mut missing = Vec::new();
+            if !conf_dir.join("10-ferry.conflist").exists() {
+                missing.push("conflist".to_string());
+            }
+            if !bin_dir.join("ferry-cni").exists() {
+                missing.push("plugin".to_string());
+            }
+            if ferry_routes(&c, 1) != routes {
+                missing.push(format!("routes {:?}", ferry_routes(&c, 1)));
+            }
+            if !sh(&format!("ip netns exec {ns} nft list tables")).contains("ferry-podnet") {
+                missing.push("nft table".to_string());
+            }
+            if sh(&format!("ip netns exec {ns} sysctl -n net.ipv4.ip_forward")).trim() != "1" {
+                missing.push("ip_forward".to_string());
+            }
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(missing.join(", "))
+            }
+        },
+    );
+    let o = whoami(&c, "n1a", &hostport(c.pod("n2a").v4, SRV));
+    assert!(o.ok, "n1a -> n2a after the repair: {o:?}");
+}

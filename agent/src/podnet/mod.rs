@@ -11,8 +11,8 @@
 //! - IP forwarding on, for the families the node has pod CIDRs of.
 //!
 //! It runs on its own: fed the cluster's Nodes (from the API or the manifests
-//! directory), it reconciles on every change and every [`RESYNC`] (so that a route
-//! someone deleted comes back), on a blocking thread. Problems are logged when they
+//! directory), it reconciles on every change and every [`RESYNC`] (so that a route, file
+//! or rule someone deleted comes back), on a blocking thread. Problems are logged when they
 //! change, never per tick, and counted in /metrics.
 
 pub mod install;
@@ -29,7 +29,8 @@ use tracing::{error, info, warn};
 use crate::{model::Cidr, status::SharedStatus};
 use plan::{NodeLite, PodNetPlan};
 
-/// How often the node's routes, files and rules are checked again without a change.
+/// How often the node's routes, files and rules are checked again without a change
+/// (`--pod-network-resync`).
 pub const RESYNC: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Debug)]
@@ -51,6 +52,8 @@ pub struct PodNetConfig {
     /// Without Service routing, the pod network is what /healthz reports: ready after
     /// each reconcile.
     pub report_ready: bool,
+    /// How often everything is checked again without a change ([`RESYNC`]).
+    pub resync: Duration,
 }
 
 /// The cluster's Nodes as the pod network sees them, by name.
@@ -59,7 +62,7 @@ pub type Nodes = Arc<BTreeMap<String, NodeLite>>;
 /// Runs until `nodes` has no sender left.
 pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: SharedStatus) {
     let mut state = State::default();
-    let mut tick = tokio::time::interval(RESYNC);
+    let mut tick = tokio::time::interval(cfg.resync.max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -92,13 +95,12 @@ pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: S
     }
 }
 
-/// What the last reconcile did and reported, to log only changes.
+/// What the last reconcile did and reported, to log only changes. Nothing here saves
+/// work: every reconcile checks the files, sysctls, routes and rules again, so that what
+/// someone removed comes back.
 #[derive(Default)]
 struct State {
-    plugin_installed: bool,
-    conflist: Option<String>,
     masq_script: Option<String>,
-    forwarding: Vec<&'static str>,
     routes: usize,
     /// The problems logged (node problems and failed steps), to log each only once.
     reported: std::collections::BTreeSet<String>,
@@ -148,18 +150,21 @@ impl State {
             Err(e) => problems.push(format!("netlink socket: {e}")),
         }
         self.routes = plan.routes.len();
+        // Applied every time (one nft transaction: the table is replaced whole, and NAT
+        // already decided for existing connections stays in conntrack), so that a table
+        // someone removed comes back; logged only when it changes.
         let script = plan::masquerade_script(cfg.masquerade.then_some(&plan));
-        if self.masq_script.as_deref() != Some(script.as_str()) {
-            match masq::apply(&script) {
-                Ok(()) => {
+        match masq::apply(&script) {
+            Ok(()) => {
+                if self.masq_script.as_deref() != Some(script.as_str()) {
                     info!(
                         masquerade = cfg.masquerade && !plan.own_cidrs.is_empty(),
                         "pod network: masquerade rules set"
                     );
                     self.masq_script = Some(script);
                 }
-                Err(e) => problems.push(format!("masquerade: {e}")),
             }
+            Err(e) => problems.push(format!("masquerade: {e}")),
         }
         let now: std::collections::BTreeSet<String> = problems.into_iter().collect();
         for p in now.difference(&self.reported) {
@@ -172,9 +177,6 @@ impl State {
     }
 
     fn install_plugin(&mut self, cfg: &PodNetConfig, problems: &mut Vec<String>) {
-        if self.plugin_installed {
-            return;
-        }
         let result = std::fs::read(&cfg.plugin)
             .map_err(|e| format!("reading the CNI plugin {}: {e}", cfg.plugin.display()))
             .and_then(|bin| {
@@ -192,7 +194,6 @@ impl State {
                 if changed {
                     info!(dir = %cfg.cni_bin_dir.display(), "pod network: CNI plugin installed");
                 }
-                self.plugin_installed = true;
             }
             Err(e) => problems.push(e),
         }
@@ -215,9 +216,6 @@ impl State {
         else {
             return;
         };
-        if self.conflist.as_deref() == Some(text.as_str()) {
-            return;
-        }
         match install::write_atomic(
             &cfg.cni_conf_dir,
             plan::CONFLIST_NAME,
@@ -232,7 +230,6 @@ impl State {
                         "pod network: CNI configuration written"
                     );
                 }
-                self.conflist = Some(text);
             }
             Err(e) => problems.push(format!(
                 "writing {}: {e}",
@@ -250,15 +247,11 @@ impl State {
             (IpFamily::V4, "/proc/sys/net/ipv4/ip_forward"),
             (IpFamily::V6, "/proc/sys/net/ipv6/conf/all/forwarding"),
         ] {
-            if self.forwarding.contains(&path)
-                || !plan.own_cidrs.iter().any(|c| c.family() == family)
-            {
+            if !plan.own_cidrs.iter().any(|c| c.family() == family) {
                 continue;
             }
             let on = std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "1");
-            if on || std::fs::write(path, "1").is_ok() {
-                self.forwarding.push(path);
-            } else {
+            if !on && std::fs::write(path, "1").is_err() {
                 problems.push(format!(
                     "{path} is not 1 and cannot be set here: enable {family} forwarding on the node"
                 ));
