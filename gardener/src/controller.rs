@@ -34,6 +34,7 @@ use crate::{
 pub const MANAGER: &str = "gardener-extension-ferry";
 /// The Lease gardenlet reads to see the extension is alive.
 pub const HEARTBEAT_LEASE: &str = "gardener-extension-heartbeat";
+/// How often it is renewed (Gardener's default), and its `leaseDurationSeconds`.
 pub const HEARTBEAT_PERIOD: Duration = Duration::from_secs(30);
 /// How long a delete waits for gardener-resource-manager to remove the ManagedResource.
 pub const DELETE_WAIT: Duration = Duration::from_secs(120);
@@ -228,7 +229,7 @@ async fn delete(client: &Client, namespace: &str) -> Result<(), Error> {
                 DELETE_WAIT,
             ));
         }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
     Ok(())
 }
@@ -277,13 +278,19 @@ async fn remove_operation_annotation(
     Ok(())
 }
 
-/// Adds or removes our finalizer, guarded by the resourceVersion the decision was made on.
+/// Adds or removes our finalizer. The Network is read again first (the annotation and
+/// status writes before this one moved its resourceVersion), and the patch is guarded by
+/// the resourceVersion read, so another writer's finalizers are never lost.
 async fn set_finalizers(
     networks: &Api<DynamicObject>,
     network: &Network,
     ours: bool,
 ) -> Result<(), Error> {
-    let mut finalizers = network.metadata.finalizers.clone().unwrap_or_default();
+    let name = network.metadata.name.as_deref().unwrap_or_default();
+    let Some(current) = networks.get_opt(name).await? else {
+        return Ok(());
+    };
+    let mut finalizers = current.metadata.finalizers.clone().unwrap_or_default();
     let has = finalizers.iter().any(|f| f == operation::FINALIZER);
     if has == ours {
         return Ok(());
@@ -295,17 +302,16 @@ async fn set_finalizers(
     }
     let patch = json!({"metadata": {
         "finalizers": finalizers,
-        "resourceVersion": network.metadata.resource_version,
+        "resourceVersion": current.metadata.resource_version,
     }});
-    let name = network.metadata.name.as_deref().unwrap_or_default();
     networks
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
     Ok(())
 }
 
-/// The heartbeat Lease as applied at `now`.
-pub fn heartbeat_lease(namespace: &str, holder: &str, now: Timestamp) -> Lease {
+/// The heartbeat Lease as applied at `now`, renewed every `period`.
+pub fn heartbeat_lease(namespace: &str, holder: &str, period: Duration, now: Timestamp) -> Lease {
     Lease {
         metadata: ObjectMeta {
             name: Some(HEARTBEAT_LEASE.to_string()),
@@ -314,21 +320,22 @@ pub fn heartbeat_lease(namespace: &str, holder: &str, now: Timestamp) -> Lease {
         },
         spec: Some(k8s_openapi::api::coordination::v1::LeaseSpec {
             holder_identity: Some(holder.to_string()),
-            lease_duration_seconds: Some(HEARTBEAT_PERIOD.as_secs() as i32),
+            lease_duration_seconds: Some(period.as_secs().clamp(1, i32::MAX as u64) as i32),
             renew_time: Some(MicroTime(now)),
             ..Default::default()
         }),
     }
 }
 
-/// Renews the heartbeat Lease every 30 s until the process ends.
-pub async fn heartbeat(client: Client, namespace: String, holder: String) {
+/// Renews the heartbeat Lease every `period` ([`HEARTBEAT_PERIOD`] in the seed) until
+/// the process ends.
+pub async fn heartbeat(client: Client, namespace: String, holder: String, period: Duration) {
     let leases: Api<Lease> = Api::namespaced(client, &namespace);
     let apply = PatchParams::apply(MANAGER).force();
-    let mut tick = tokio::time::interval(HEARTBEAT_PERIOD);
+    let mut tick = tokio::time::interval(period);
     loop {
         tick.tick().await;
-        let lease = heartbeat_lease(&namespace, &holder, Timestamp::now());
+        let lease = heartbeat_lease(&namespace, &holder, period, Timestamp::now());
         match leases
             .patch(HEARTBEAT_LEASE, &apply, &Patch::Apply(&lease))
             .await
@@ -348,6 +355,7 @@ mod tests {
         let lease = heartbeat_lease(
             "extension-networking-ferry-abc",
             "networking-ferry",
+            HEARTBEAT_PERIOD,
             "2026-01-02T03:04:05.123456Z".parse().unwrap(),
         );
         let v = serde_json::to_value(&lease).unwrap();

@@ -16,6 +16,9 @@ struct Args {
     /// The extension's name, the heartbeat Lease's holder.
     #[arg(long, default_value = "networking-ferry")]
     extension_name: String,
+    /// How often the heartbeat Lease is renewed, in seconds.
+    #[arg(long, default_value_t = controller::HEARTBEAT_PERIOD.as_secs())]
+    heartbeat_period_seconds: u64,
 }
 
 #[tokio::main]
@@ -33,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
         client.clone(),
         args.heartbeat_namespace,
         args.extension_name,
+        std::time::Duration::from_secs(args.heartbeat_period_seconds.max(1)),
     ));
     controller::run(controller::Context {
         client,

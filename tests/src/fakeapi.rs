@@ -15,6 +15,13 @@
 //!   graceful end after `timeoutSeconds`. A resourceVersion older than the retained
 //!   history gets a watch ERROR event carrying a `Status` with code 410, reason `Expired`.
 //!
+//! Beyond the agent's three kinds it serves, generically, every resource in [`RESOURCES`]
+//! (Secrets, Leases and the Gardener custom resources `networks`, `clusters`,
+//! `managedresources`), for the Gardener extension's controller: the same list/watch,
+//! plus POST, PUT, DELETE (finalizers delay it: `deletionTimestamp` first), JSON merge
+//! patches, a simplified server-side apply, `/status` subresources, `metadata.generation`
+//! and discovery; see `write` below for what exactly is served and simplified.
+//!
 //! The [`FakeApi`] handle is synchronous and thread-safe: the server runs on its own
 //! tokio runtime thread, so it can be driven from plain `#[test]`s and from async code.
 
@@ -81,16 +88,153 @@ impl Kind {
             .find(|k| k.name().eq_ignore_ascii_case(s) || k.plural() == s)
     }
 
-    fn list_kind(self) -> &'static str {
-        match self {
-            Kind::Service => "ServiceList",
-            Kind::EndpointSlice => "EndpointSliceList",
-            Kind::Node => "NodeList",
+    fn idx(self) -> usize {
+        self as usize
+    }
+}
+
+/// A resource the fake serves, by group, version and plural. The first three entries of
+/// [`RESOURCES`] are the [`Kind`]s (in [`Kind::idx`] order); the others are served
+/// generically, as JSON objects the fake knows nothing about beyond this entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resource {
+    /// `""` for the core group.
+    pub group: &'static str,
+    pub version: &'static str,
+    pub plural: &'static str,
+    pub kind: &'static str,
+    pub namespaced: bool,
+    /// Has a `/status` subresource: writes to the object keep the stored `status`,
+    /// writes to `/status` change nothing but `status`.
+    pub status: bool,
+    /// Keeps `metadata.generation` (as for custom resources): 1 on create, +1 on every
+    /// write that changes anything outside `metadata` (and `status`, if a subresource).
+    pub generation: bool,
+}
+
+impl Resource {
+    /// `v1`, `extensions.gardener.cloud/v1alpha1`.
+    pub fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
         }
     }
 
-    fn idx(self) -> usize {
-        self as usize
+    fn builtin(&self) -> bool {
+        RESOURCES[..Kind::ALL.len()].contains(self)
+    }
+}
+
+const fn resource(
+    group: &'static str,
+    version: &'static str,
+    plural: &'static str,
+    kind: &'static str,
+    namespaced: bool,
+    custom: bool,
+) -> Resource {
+    Resource {
+        group,
+        version,
+        plural,
+        kind,
+        namespaced,
+        status: custom,
+        generation: custom,
+    }
+}
+
+/// Everything the fake serves: the agent's [`Kind`]s, then what the Gardener extension
+/// reads and writes (Secrets, Leases, and the Gardener custom resources).
+pub const RESOURCES: [Resource; 8] = [
+    resource("", "v1", "services", "Service", true, false),
+    resource(
+        "discovery.k8s.io",
+        "v1",
+        "endpointslices",
+        "EndpointSlice",
+        true,
+        false,
+    ),
+    resource("", "v1", "nodes", "Node", false, false),
+    resource("", "v1", "secrets", "Secret", true, false),
+    resource("coordination.k8s.io", "v1", "leases", "Lease", true, false),
+    resource(
+        "extensions.gardener.cloud",
+        "v1alpha1",
+        "networks",
+        "Network",
+        true,
+        true,
+    ),
+    Resource {
+        status: false,
+        ..resource(
+            "extensions.gardener.cloud",
+            "v1alpha1",
+            "clusters",
+            "Cluster",
+            false,
+            true,
+        )
+    },
+    resource(
+        "resources.gardener.cloud",
+        "v1alpha1",
+        "managedresources",
+        "ManagedResource",
+        true,
+        true,
+    ),
+];
+
+/// The index in [`RESOURCES`] of an object `kind` (and `apiVersion`, when given).
+fn resource_of_kind(api_version: Option<&str>, kind: &str) -> Option<usize> {
+    RESOURCES.iter().position(|r| {
+        r.kind.eq_ignore_ascii_case(kind) && api_version.is_none_or(|v| v == r.api_version())
+    })
+}
+
+/// The index in [`RESOURCES`] of `apiVersion` and `plural` (or kind).
+fn resource_index(api_version: &str, plural: &str) -> Option<usize> {
+    RESOURCES.iter().position(|r| {
+        r.api_version() == api_version
+            && (r.plural == plural || r.kind.eq_ignore_ascii_case(plural))
+    })
+}
+
+/// What a write must change for `metadata.generation` to move: all but metadata (and
+/// status when it is a subresource).
+fn spec_of(v: &Value, def: &Resource) -> Value {
+    let mut v = v.clone();
+    if let Some(m) = v.as_object_mut() {
+        m.remove("metadata");
+        if def.status {
+            m.remove("status");
+        }
+    }
+    v
+}
+
+/// RFC 7386 JSON merge patch: objects merge key by key, `null` removes, everything else
+/// (arrays included) replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Value::Object(p) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    let t = target.as_object_mut().expect("an object");
+    for (k, v) in p {
+        if v.is_null() {
+            t.remove(k);
+        } else {
+            merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+        }
     }
 }
 
@@ -167,7 +311,8 @@ enum EvType {
 
 struct Event {
     rv: u64,
-    kind: Kind,
+    /// Index into [`RESOURCES`].
+    res: usize,
     typ: EvType,
     /// The object before the change (for MODIFIED and DELETED).
     old: Option<Arc<Obj>>,
@@ -185,7 +330,8 @@ type Key = (String, String);
 struct Store {
     /// The current (last issued) resourceVersion.
     rv: u64,
-    objects: [BTreeMap<Key, Arc<Obj>>; 3],
+    /// One map per entry of [`RESOURCES`].
+    objects: Vec<BTreeMap<Key, Arc<Obj>>>,
     history: VecDeque<Event>,
     history_limit: usize,
     /// A watch from resourceVersion N < gone_below answers 410.
@@ -205,7 +351,7 @@ impl Store {
     fn new(history_limit: usize) -> Store {
         Store {
             rv: 1,
-            objects: Default::default(),
+            objects: vec![BTreeMap::new(); RESOURCES.len()],
             history: VecDeque::new(),
             history_limit: history_limit.max(1),
             gone_below: 0,
@@ -228,14 +374,28 @@ impl Store {
 
     /// Creates or updates; returns the object's resourceVersion. An update that changes
     /// nothing is a no-op (no new RV, no event), as on a real apiserver.
-    fn apply(&mut self, mut value: Value) -> Result<u64, String> {
+    fn apply(&mut self, value: Value) -> Result<u64, String> {
         let kind_s = value
             .get("kind")
             .and_then(Value::as_str)
             .unwrap_or_default();
-        let kind = Kind::parse(kind_s).ok_or_else(|| format!("unsupported kind {kind_s:?}"))?;
+        let api_version = value.get("apiVersion").and_then(Value::as_str);
+        let res = Kind::parse(kind_s)
+            .map(Kind::idx)
+            .or_else(|| resource_of_kind(api_version, kind_s))
+            .ok_or_else(|| format!("unsupported kind {kind_s:?}"))?;
+        self.upsert(res, value)
+    }
+
+    /// [`Store::apply`] for a known resource: creates or updates, keeping uid and
+    /// creationTimestamp, bumping `metadata.generation` where the resource keeps one.
+    fn upsert(&mut self, res: usize, mut value: Value) -> Result<u64, String> {
+        let def = &RESOURCES[res];
         if value.get("apiVersion").is_none() {
-            value["apiVersion"] = kind.api_version().into();
+            value["apiVersion"] = def.api_version().into();
+        }
+        if value.get("kind").is_none() {
+            value["kind"] = def.kind.into();
         }
         let meta = value
             .get_mut("metadata")
@@ -247,7 +407,7 @@ impl Store {
             .filter(|n| !n.is_empty())
             .ok_or("object without metadata.name")?
             .to_string();
-        let ns = if kind.namespaced() {
+        let ns = if def.namespaced {
             let ns = meta
                 .get("namespace")
                 .and_then(Value::as_str)
@@ -261,7 +421,25 @@ impl Store {
             String::new()
         };
         let key = (ns.clone(), name.clone());
-        let existing = self.objects[kind.idx()].get(&key).cloned();
+        let existing = self.objects[res].get(&key).cloned();
+        if def.generation {
+            let generation = match &existing {
+                None => 1,
+                Some(old) => {
+                    let g = old.value["metadata"]["generation"].as_i64().unwrap_or(1);
+                    if spec_of(&old.value, def) != spec_of(&value, def) {
+                        g + 1
+                    } else {
+                        g
+                    }
+                }
+            };
+            value["metadata"]["generation"] = generation.into();
+        }
+        let meta = value
+            .get_mut("metadata")
+            .and_then(Value::as_object_mut)
+            .expect("checked above");
         match &existing {
             Some(old) => {
                 for f in ["uid", "creationTimestamp"] {
@@ -296,7 +474,7 @@ impl Store {
         let rv = self.rv;
         value["metadata"]["resourceVersion"] = rv.to_string().into();
         let obj = Arc::new(Obj::new(ns, name, value));
-        self.objects[kind.idx()].insert(key, obj.clone());
+        self.objects[res].insert(key, obj.clone());
         let typ = if existing.is_some() {
             EvType::Modified
         } else {
@@ -304,7 +482,7 @@ impl Store {
         };
         self.push(Event {
             rv,
-            kind,
+            res,
             typ,
             old: existing,
             new: obj,
@@ -319,9 +497,9 @@ impl Store {
             .unwrap_or(self.rv)
     }
 
-    fn delete(&mut self, kind: Kind, ns: &str, name: &str) -> Option<u64> {
-        let ns = if kind.namespaced() { ns } else { "" };
-        let old = self.objects[kind.idx()].remove(&(ns.to_string(), name.to_string()))?;
+    fn delete(&mut self, res: usize, ns: &str, name: &str) -> Option<u64> {
+        let ns = if RESOURCES[res].namespaced { ns } else { "" };
+        let old = self.objects[res].remove(&(ns.to_string(), name.to_string()))?;
         self.rv += 1;
         let rv = self.rv;
         let mut value = old.value.clone();
@@ -329,7 +507,7 @@ impl Store {
         let tomb = Arc::new(Obj::new(old.ns.clone(), old.name.clone(), value));
         self.push(Event {
             rv,
-            kind,
+            res,
             typ: EvType::Deleted,
             old: Some(old),
             new: tomb,
@@ -349,8 +527,8 @@ impl Store {
         self.snapshot_order.clear();
     }
 
-    fn matching(&self, kind: Kind, ns: Option<&str>, sel: &Selectors) -> Vec<Arc<Obj>> {
-        let map = &self.objects[kind.idx()];
+    fn matching(&self, res: usize, ns: Option<&str>, sel: &Selectors) -> Vec<Arc<Obj>> {
+        let map = &self.objects[res];
         let iter: Box<dyn Iterator<Item = &Arc<Obj>>> = match ns {
             Some(ns) => Box::new(
                 map.range((ns.to_string(), String::new())..)
@@ -535,8 +713,9 @@ struct Shared {
     unavailable: AtomicBool,
     list_delay_us: AtomicU64,
     bookmark_interval_us: AtomicU64,
-    lists: [AtomicU64; 3],
-    watches: [AtomicU64; 3],
+    /// Per entry of [`RESOURCES`].
+    lists: Vec<AtomicU64>,
+    watches: Vec<AtomicU64>,
     open_watches: AtomicU64,
     requests: AtomicU64,
 }
@@ -576,8 +755,8 @@ impl FakeApi {
             unavailable: AtomicBool::new(false),
             list_delay_us: AtomicU64::new(0),
             bookmark_interval_us: AtomicU64::new(duration_us(opts.bookmark_interval)),
-            lists: Default::default(),
-            watches: Default::default(),
+            lists: RESOURCES.iter().map(|_| AtomicU64::new(0)).collect(),
+            watches: RESOURCES.iter().map(|_| AtomicU64::new(0)).collect(),
             open_watches: AtomicU64::new(0),
             requests: AtomicU64::new(0),
         });
@@ -692,7 +871,7 @@ impl FakeApi {
     /// Deletes an object (`ns` is ignored for Nodes); returns whether it existed.
     pub fn delete(&self, kind: Kind, ns: &str, name: &str) -> bool {
         let mut st = self.shared.store();
-        let done = st.delete(kind, ns, name).is_some();
+        let done = st.delete(kind.idx(), ns, name).is_some();
         if done {
             self.shared.notify(st.rv);
         }
@@ -713,6 +892,37 @@ impl FakeApi {
         let st = self.shared.store();
         st.objects[kind.idx()]
             .values()
+            .map(|o| o.value.clone())
+            .collect()
+    }
+
+    /// The stored object of any resource in [`RESOURCES`], by `apiVersion` and plural (or
+    /// kind); `ns` is ignored for cluster-scoped ones. Panics on an unknown resource.
+    pub fn get_object(
+        &self,
+        api_version: &str,
+        plural: &str,
+        ns: &str,
+        name: &str,
+    ) -> Option<Value> {
+        let res = resource_index(api_version, plural)
+            .unwrap_or_else(|| panic!("fake apiserver: no resource {api_version} {plural}"));
+        let ns = if RESOURCES[res].namespaced { ns } else { "" };
+        let st = self.shared.store();
+        st.objects[res]
+            .get(&(ns.to_string(), name.to_string()))
+            .map(|o| o.value.clone())
+    }
+
+    /// All stored objects of a resource in [`RESOURCES`] in namespace `ns` (all
+    /// namespaces when `None`), ordered by namespace and name.
+    pub fn list_objects(&self, api_version: &str, plural: &str, ns: Option<&str>) -> Vec<Value> {
+        let res = resource_index(api_version, plural)
+            .unwrap_or_else(|| panic!("fake apiserver: no resource {api_version} {plural}"));
+        let st = self.shared.store();
+        st.objects[res]
+            .values()
+            .filter(|o| ns.is_none_or(|ns| o.ns == ns))
             .map(|o| o.value.clone())
             .collect()
     }
@@ -929,6 +1139,8 @@ struct Request {
     path: String,
     query: Vec<(String, String)>,
     close: bool,
+    content_type: String,
+    body: Vec<u8>,
 }
 
 impl Request {
@@ -959,7 +1171,7 @@ struct Conn {
 const MAX_HEAD: usize = 64 * 1024;
 
 impl Conn {
-    /// The next request, its body (if any) skipped; `None` at EOF or on garbage.
+    /// The next request with its body; `None` at EOF or on garbage.
     async fn read_request(&mut self) -> Option<Request> {
         loop {
             if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -970,15 +1182,18 @@ impl Conn {
                 let (method, target, version) = (first.next()?, first.next()?, first.next()?);
                 let mut close = version == "HTTP/1.0";
                 let mut body_len = 0usize;
+                let mut content_type = String::new();
                 for line in lines {
                     let (k, v) = line.split_once(':')?;
                     let v = v.trim();
                     if k.eq_ignore_ascii_case("content-length") {
                         body_len = v.parse().ok()?;
+                    } else if k.eq_ignore_ascii_case("content-type") {
+                        content_type = v.to_ascii_lowercase();
                     } else if k.eq_ignore_ascii_case("connection") {
                         close = v.eq_ignore_ascii_case("close");
                     } else if k.eq_ignore_ascii_case("transfer-encoding") {
-                        return None; // no request bodies are needed here
+                        return None; // clients send bodies with a Content-Length
                     }
                 }
                 while self.buf.len() < body_len {
@@ -986,7 +1201,7 @@ impl Conn {
                         return None;
                     }
                 }
-                self.buf.drain(..body_len);
+                let body = self.buf.drain(..body_len).collect();
                 let (path, query) = target.split_once('?').unwrap_or((target, ""));
                 let query = query
                     .split('&')
@@ -1001,6 +1216,8 @@ impl Conn {
                     path: percent_decode(path),
                     query,
                     close,
+                    content_type,
+                    body,
                 });
             }
             if self.buf.len() > MAX_HEAD {
@@ -1110,20 +1327,23 @@ fn percent_decode(s: &str) -> String {
 }
 
 enum Route {
-    Collection(Kind, Option<String>),
-    Object(Kind, String, String),
+    /// A resource (index into [`RESOURCES`]), all namespaces or one.
+    Collection(usize, Option<String>),
+    /// A resource, namespace (empty for cluster-scoped), name, and whether the path
+    /// is the `/status` subresource.
+    Object(usize, String, String, bool),
     Static(Value),
     NotFound,
 }
 
 fn route(path: &str, addr: &str) -> Route {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let kind_of = |group: &[&str], plural: &str| -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| {
-            k.plural() == plural
+    let res_of = |group: &[&str], plural: &str| -> Option<usize> {
+        RESOURCES.iter().position(|r| {
+            r.plural == plural
                 && match group {
-                    ["api", "v1"] => k.api_version() == "v1",
-                    ["apis", g, v] => k.api_version() == format!("{g}/{v}"),
+                    ["api", "v1"] => r.group.is_empty() && r.version == "v1",
+                    ["apis", g, v] => r.group == *g && r.version == *v,
                     _ => false,
                 }
         })
@@ -1133,42 +1353,72 @@ fn route(path: &str, addr: &str) -> Route {
         ["apis", _, _, rest @ ..] => (&segs[..3], rest),
         _ => (&segs[..0], &segs[..0]),
     };
-    let found = match rest {
-        [plural] => kind_of(group, plural).map(|k| Route::Collection(k, None)),
-        [plural, name] => kind_of(group, plural)
-            .filter(|k| !k.namespaced())
-            .map(|k| Route::Object(k, String::new(), name.to_string())),
-        ["namespaces", ns, plural] => kind_of(group, plural)
-            .filter(|k| k.namespaced())
-            .map(|k| Route::Collection(k, Some(ns.to_string()))),
-        ["namespaces", ns, plural, name] => kind_of(group, plural)
-            .filter(|k| k.namespaced())
-            .map(|k| Route::Object(k, ns.to_string(), name.to_string())),
-        _ => None,
+    let scoped = |plural: &str, namespaced: bool| {
+        res_of(group, plural).filter(|&r| RESOURCES[r].namespaced == namespaced)
     };
+    let with_status = |plural: &str, namespaced: bool| {
+        scoped(plural, namespaced).filter(|&r| RESOURCES[r].status)
+    };
+    let found =
+        match rest {
+            [plural] => res_of(group, plural).map(|r| Route::Collection(r, None)),
+            [plural, name] => scoped(plural, false)
+                .map(|r| Route::Object(r, String::new(), name.to_string(), false)),
+            [plural, name, "status"] => with_status(plural, false)
+                .map(|r| Route::Object(r, String::new(), name.to_string(), true)),
+            ["namespaces", ns, plural] => {
+                scoped(plural, true).map(|r| Route::Collection(r, Some(ns.to_string())))
+            }
+            ["namespaces", ns, plural, name] => scoped(plural, true)
+                .map(|r| Route::Object(r, ns.to_string(), name.to_string(), false)),
+            ["namespaces", ns, plural, name, "status"] => with_status(plural, true)
+                .map(|r| Route::Object(r, ns.to_string(), name.to_string(), true)),
+            _ => None,
+        };
     if let Some(r) = found {
         return r;
     }
-    let resources = |kinds: &[Kind], gv: &str| {
-        let res: Vec<Value> = kinds
+    let resources = |group: &str, version: &str| {
+        let mut res = Vec::new();
+        for r in RESOURCES
             .iter()
-            .map(|k| {
-                json!({
-                    "name": k.plural(),
-                    "singularName": k.name().to_ascii_lowercase(),
-                    "namespaced": k.namespaced(),
-                    "kind": k.name(),
-                    "verbs": ["get", "list", "watch"],
-                })
-            })
-            .collect();
-        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": res})
+            .filter(|r| r.group == group && r.version == version)
+        {
+            let verbs = if r.builtin() {
+                json!(["get", "list", "watch"])
+            } else {
+                json!([
+                    "create", "delete", "get", "list", "patch", "update", "watch"
+                ])
+            };
+            res.push(json!({
+                "name": r.plural,
+                "singularName": r.kind.to_ascii_lowercase(),
+                "namespaced": r.namespaced,
+                "kind": r.kind,
+                "verbs": verbs,
+            }));
+            if r.status {
+                res.push(json!({
+                    "name": format!("{}/status", r.plural),
+                    "singularName": "",
+                    "namespaced": r.namespaced,
+                    "kind": r.kind,
+                    "verbs": ["get", "patch", "update"],
+                }));
+            }
+        }
+        json!({"kind": "APIResourceList", "apiVersion": "v1",
+               "groupVersion": RESOURCES.iter().find(|r| r.group == group).map_or_else(String::new, Resource::api_version),
+               "resources": res})
     };
-    let discovery_group = json!({
-        "name": "discovery.k8s.io",
-        "versions": [{"groupVersion": "discovery.k8s.io/v1", "version": "v1"}],
-        "preferredVersion": {"groupVersion": "discovery.k8s.io/v1", "version": "v1"},
-    });
+    let api_group = |name: &str| -> Option<Value> {
+        let r = RESOURCES
+            .iter()
+            .find(|r| r.group == name && !name.is_empty())?;
+        let gv = json!({"groupVersion": r.api_version(), "version": r.version});
+        Some(json!({"name": name, "versions": [gv], "preferredVersion": gv}))
+    };
     let v = match segs.as_slice() {
         ["version"] => json!({
             "major": "1", "minor": "33", "gitVersion": "v1.33.0-ferry-fakeapi",
@@ -1181,17 +1431,26 @@ fn route(path: &str, addr: &str) -> Route {
             "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": addr}],
         }),
         ["apis"] => {
-            json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [discovery_group]})
+            let mut names: Vec<&str> = Vec::new();
+            for r in RESOURCES.iter().filter(|r| !r.group.is_empty()) {
+                if !names.contains(&r.group) {
+                    names.push(r.group);
+                }
+            }
+            let groups: Vec<Value> = names.into_iter().filter_map(api_group).collect();
+            json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
         }
-        ["apis", "discovery.k8s.io"] => {
-            let mut g = discovery_group;
-            g["kind"] = "APIGroup".into();
-            g["apiVersion"] = "v1".into();
-            g
-        }
-        ["api", "v1"] => resources(&[Kind::Service, Kind::Node], "v1"),
-        ["apis", "discovery.k8s.io", "v1"] => {
-            resources(&[Kind::EndpointSlice], "discovery.k8s.io/v1")
+        ["apis", g] => match api_group(g) {
+            Some(mut g) => {
+                g["kind"] = "APIGroup".into();
+                g["apiVersion"] = "v1".into();
+                g
+            }
+            None => return Route::NotFound,
+        },
+        ["api", "v1"] => resources("", "v1"),
+        ["apis", g, v] if RESOURCES.iter().any(|r| r.group == *g && r.version == *v) => {
+            resources(g, v)
         }
         ["healthz" | "readyz" | "livez"] => Value::String("ok".into()),
         _ => return Route::NotFound,
@@ -1232,37 +1491,64 @@ async fn handle(sh: &Shared, c: &mut Conn, req: &Request, local: &str) -> Flow {
             )
             .await;
     }
+    let route = route(&req.path, local);
     if req.method != "GET" {
-        return c
-            .status(
-                405,
-                "MethodNotAllowed",
-                "the fake apiserver only serves GET",
-                req.close,
-            )
-            .await;
+        let target = match route {
+            Route::Collection(res, Some(ns)) if req.method == "POST" => {
+                Some((res, ns, None, false))
+            }
+            Route::Collection(res, None) if req.method == "POST" && !RESOURCES[res].namespaced => {
+                Some((res, String::new(), None, false))
+            }
+            Route::Object(res, ns, name, status)
+                if matches!(req.method.as_str(), "PUT" | "PATCH" | "DELETE") =>
+            {
+                Some((res, ns, Some(name), status))
+            }
+            _ => None,
+        };
+        let Some((res, ns, name, status)) = target else {
+            return c
+                .status(
+                    405,
+                    "MethodNotAllowed",
+                    "the fake apiserver does not serve this method here",
+                    req.close,
+                )
+                .await;
+        };
+        let answer = {
+            let mut st = sh.store();
+            let answer = write(&mut st, req, res, &ns, name.as_deref(), status);
+            sh.notify(st.rv);
+            answer
+        };
+        return match answer {
+            Ok((code, v)) => c.respond(code, v.to_string().as_bytes(), req.close).await,
+            Err(e) => c.status(e.code, e.reason, &e.message, req.close).await,
+        };
     }
-    match route(&req.path, local) {
+    match route {
         Route::Static(Value::String(s)) => c.respond(200, s.as_bytes(), req.close).await,
         Route::Static(v) => c.respond(200, v.to_string().as_bytes(), req.close).await,
         Route::NotFound => {
             let msg = "the server could not find the requested resource";
             c.status(404, "NotFound", msg, req.close).await
         }
-        Route::Object(kind, ns, name) => {
+        Route::Object(res, ns, name, _status) => {
             let obj = {
                 let st = sh.store();
-                st.objects[kind.idx()].get(&(ns, name.clone())).cloned()
+                st.objects[res].get(&(ns, name.clone())).cloned()
             };
             match obj {
                 Some(o) => c.respond(200, &o.json, req.close).await,
                 None => {
-                    let msg = format!("{} \"{name}\" not found", kind.plural());
+                    let msg = format!("{} \"{name}\" not found", RESOURCES[res].plural);
                     c.status(404, "NotFound", &msg, req.close).await
                 }
             }
         }
-        Route::Collection(kind, ns) => {
+        Route::Collection(res, ns) => {
             let sel = match Selectors::parse(
                 req.param("labelSelector").unwrap_or(""),
                 req.param("fieldSelector").unwrap_or(""),
@@ -1271,19 +1557,269 @@ async fn handle(sh: &Shared, c: &mut Conn, req: &Request, local: &str) -> Flow {
                 Err(e) => return c.status(400, "BadRequest", &e, req.close).await,
             };
             if req.flag("watch") {
-                serve_watch(sh, c, req, kind, ns.as_deref(), &sel).await
+                serve_watch(sh, c, req, res, ns.as_deref(), &sel).await
             } else {
-                serve_list(sh, c, req, kind, ns.as_deref(), &sel).await
+                serve_list(sh, c, req, res, ns.as_deref(), &sel).await
             }
         }
     }
+}
+
+/// A failed write, answered as a `Status`.
+#[derive(Debug)]
+struct ApiError {
+    code: u16,
+    reason: &'static str,
+    message: String,
+}
+
+fn api_error(code: u16, reason: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError {
+        code,
+        reason,
+        message: message.into(),
+    }
+}
+
+/// The writes a controller makes, on the object at `ns`/`name` of resource `res` (or a
+/// POST to its collection when `name` is `None`):
+///
+/// - POST creates (409 `AlreadyExists` if present); PUT replaces (404 if absent);
+/// - PATCH with `application/merge-patch+json` (and `strategic-merge-patch+json`, treated
+///   as a plain merge patch) merges into the stored object (404 if absent);
+/// - PATCH with `application/apply-patch+yaml` (server-side apply) is simplified to a
+///   merge patch of the applied fields that creates the object when absent: there are no
+///   field managers, so a field a manager stops applying is kept, not removed, and there
+///   are no conflicts (as if every apply were `force=true`);
+/// - a `metadata.resourceVersion` in a PUT body or a patch is a precondition (409
+///   `Conflict` when stale);
+/// - on a resource with a status subresource, writes to the object keep the stored
+///   status (a create drops it) and writes to `/status` change only the status;
+/// - DELETE removes the object, unless it has finalizers: then it gets a
+///   `deletionTimestamp` and stays until a write removes the last finalizer.
+///
+/// JSON patch (`application/json-patch+json`) is not served (415).
+fn write(
+    st: &mut Store,
+    req: &Request,
+    res: usize,
+    ns: &str,
+    name: Option<&str>,
+    to_status: bool,
+) -> Result<(u16, Value), ApiError> {
+    let def = &RESOURCES[res];
+    let current = name.and_then(|n| {
+        st.objects[res]
+            .get(&(ns.to_string(), n.to_string()))
+            .map(|o| o.value.clone())
+    });
+    let not_found = || {
+        let n = name.unwrap_or_default();
+        api_error(
+            404,
+            "NotFound",
+            format!("{}.{} \"{n}\" not found", def.plural, def.group),
+        )
+    };
+    let body = || -> Result<Value, ApiError> {
+        let parsed = serde_json::from_slice::<Value>(&req.body).or_else(|e| {
+            if req.content_type.starts_with("application/apply-patch+yaml") {
+                serde_yaml::from_slice::<Value>(&req.body).map_err(|e| e.to_string())
+            } else {
+                Err(e.to_string())
+            }
+        });
+        parsed.map_err(|e| api_error(400, "BadRequest", format!("the request body: {e}")))
+    };
+    let precondition = |given: &Value| -> Result<(), ApiError> {
+        let given = given
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str);
+        let stored = current
+            .as_ref()
+            .and_then(|c| c.pointer("/metadata/resourceVersion"))
+            .and_then(Value::as_str);
+        match given {
+            Some(g) if !g.is_empty() && Some(g) != stored => Err(api_error(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {}.{} \"{}\": the object has been modified; please apply your changes to the latest version and try again",
+                    def.plural,
+                    def.group,
+                    name.unwrap_or_default()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    };
+    let (code, mut next) = match req.method.as_str() {
+        "POST" => {
+            let mut v = body()?;
+            let n = v
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            if n.is_empty() {
+                return Err(api_error(422, "Invalid", "metadata.name: Required value"));
+            }
+            if st.objects[res].contains_key(&(ns.to_string(), n.clone())) {
+                return Err(api_error(
+                    409,
+                    "AlreadyExists",
+                    format!("{}.{} \"{n}\" already exists", def.plural, def.group),
+                ));
+            }
+            if def.status
+                && let Some(m) = v.as_object_mut()
+            {
+                m.remove("status");
+            }
+            if let Some(m) = v.get_mut("metadata").and_then(Value::as_object_mut) {
+                m.remove("resourceVersion");
+                m.remove("deletionTimestamp");
+            }
+            (201, v)
+        }
+        "PUT" => {
+            let v = body()?;
+            if current.is_none() {
+                return Err(not_found());
+            }
+            precondition(&v)?;
+            (200, v)
+        }
+        "PATCH" => {
+            let ct = req.content_type.as_str();
+            let apply = ct.starts_with("application/apply-patch+yaml");
+            if !(apply
+                || ct.starts_with("application/merge-patch+json")
+                || ct.starts_with("application/strategic-merge-patch+json"))
+            {
+                return Err(api_error(
+                    415,
+                    "UnsupportedMediaType",
+                    format!("the fake apiserver does not serve patches of type {ct:?}"),
+                ));
+            }
+            let patch = body()?;
+            precondition(&patch)?;
+            let mut v = match (&current, apply && !to_status) {
+                (Some(c), _) => c.clone(),
+                (None, true) => {
+                    json!({"apiVersion": def.api_version(), "kind": def.kind, "metadata": {}})
+                }
+                (None, false) => return Err(not_found()),
+            };
+            merge_patch(&mut v, &patch);
+            (if current.is_some() { 200 } else { 201 }, v)
+        }
+        "DELETE" => {
+            let Some(v) = current.clone() else {
+                return Err(not_found());
+            };
+            let finalizers = v
+                .pointer("/metadata/finalizers")
+                .and_then(Value::as_array)
+                .is_some_and(|f| !f.is_empty());
+            if !finalizers {
+                let (n, last) = (name.unwrap_or_default(), v.clone());
+                st.delete(res, ns, n);
+                return Ok((200, last));
+            }
+            (200, v)
+        }
+        _ => return Err(api_error(405, "MethodNotAllowed", "unsupported method")),
+    };
+    if !next.get("metadata").is_some_and(Value::is_object) {
+        next["metadata"] = json!({});
+    }
+    let n = match name {
+        Some(n) => n.to_string(),
+        None => next["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+    };
+    next["metadata"]["name"] = n.clone().into();
+    if def.namespaced {
+        next["metadata"]["namespace"] = ns.into();
+    }
+    if let Some(cur) = &current {
+        // The status subresource, and what only the server sets.
+        if def.status {
+            let (from, to) = if to_status {
+                (&next, cur.clone())
+            } else {
+                (cur, next.clone())
+            };
+            let mut merged = to;
+            match from.get("status") {
+                Some(s) => merged["status"] = s.clone(),
+                None => {
+                    if let Some(m) = merged.as_object_mut() {
+                        m.remove("status");
+                    }
+                }
+            }
+            next = merged;
+        }
+        for f in [
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "generation",
+        ] {
+            let meta = next["metadata"].as_object_mut().expect("an object");
+            match cur["metadata"].get(f) {
+                Some(v) => meta.insert(f.into(), v.clone()),
+                None => meta.remove(f),
+            };
+        }
+        if req.method == "DELETE" {
+            next["metadata"]["deletionTimestamp"] = next_deletion(cur);
+            next["metadata"]["deletionGracePeriodSeconds"] = 0.into();
+        }
+    }
+    let deleting = next
+        .pointer("/metadata/deletionTimestamp")
+        .is_some_and(|t| !t.is_null());
+    let finalizers = next
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| !f.is_empty());
+    if deleting && !finalizers {
+        st.delete(res, ns, &n);
+        return Ok((200, next));
+    }
+    st.upsert(res, next)
+        .map_err(|e| api_error(422, "Invalid", e))?;
+    let stored = st.objects[res]
+        .get(&(
+            if def.namespaced {
+                ns.to_string()
+            } else {
+                String::new()
+            },
+            n,
+        ))
+        .map(|o| o.value.clone())
+        .unwrap_or_default();
+    Ok((code, stored))
+}
+
+/// The deletionTimestamp a DELETE leaves: the first one stays.
+fn next_deletion(cur: &Value) -> Value {
+    cur.pointer("/metadata/deletionTimestamp")
+        .cloned()
+        .unwrap_or_else(|| rfc3339(SystemTime::now()).into())
 }
 
 async fn serve_list(
     sh: &Shared,
     c: &mut Conn,
     req: &Request,
-    kind: Kind,
+    res: usize,
     ns: Option<&str>,
     sel: &Selectors,
 ) -> Flow {
@@ -1310,9 +1846,9 @@ async fn serve_list(
             }
         }
         None => {
-            sh.lists[kind.idx()].fetch_add(1, Ordering::SeqCst);
+            sh.lists[res].fetch_add(1, Ordering::SeqCst);
             let mut st = sh.store();
-            let items = Arc::new(st.matching(kind, ns, sel));
+            let items = Arc::new(st.matching(res, ns, sel));
             let rv = st.rv;
             let id = match limit {
                 Some(l) if items.len() > l => Some(st.add_snapshot(rv, items.clone())),
@@ -1333,9 +1869,9 @@ async fn serve_list(
         let mut w = StrBuf(&mut body);
         let _ = write!(
             w,
-            "{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"",
-            kind.list_kind(),
-            kind.api_version()
+            "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"",
+            RESOURCES[res].kind,
+            RESOURCES[res].api_version()
         );
         if let (Some(id), true) = (id, end < items.len()) {
             let _ = write!(
@@ -1374,7 +1910,7 @@ fn push_event(out: &mut Vec<u8>, typ: &str, obj: &[u8]) {
     out.extend_from_slice(b"}\n");
 }
 
-fn push_bookmark(out: &mut Vec<u8>, kind: Kind, rv: u64, initial_end: bool) {
+fn push_bookmark(out: &mut Vec<u8>, res: usize, rv: u64, initial_end: bool) {
     let annotations = if initial_end {
         ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}"
     } else {
@@ -1382,8 +1918,8 @@ fn push_bookmark(out: &mut Vec<u8>, kind: Kind, rv: u64, initial_end: bool) {
     };
     let obj = format!(
         "{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotations}}}}}",
-        kind.name(),
-        kind.api_version()
+        RESOURCES[res].kind,
+        RESOURCES[res].api_version()
     );
     push_event(out, "BOOKMARK", obj.as_bytes());
 }
@@ -1401,7 +1937,7 @@ fn expired_event(rv: u64, oldest: u64) -> Vec<u8> {
 fn scan(
     st: &Store,
     cursor: &mut u64,
-    kind: Kind,
+    res: usize,
     ns: Option<&str>,
     sel: &Selectors,
     out: &mut Vec<u8>,
@@ -1412,7 +1948,7 @@ fn scan(
     let start = st.history.partition_point(|e| e.rv <= *cursor);
     for e in st.history.range(start..) {
         *cursor = e.rv;
-        if e.kind != kind || ns.is_some_and(|ns| ns != e.new.ns) {
+        if e.res != res || ns.is_some_and(|ns| ns != e.new.ns) {
             continue;
         }
         let old = e.old.as_ref().is_some_and(|o| sel.matches(o));
@@ -1446,11 +1982,11 @@ async fn serve_watch(
     sh: &Shared,
     c: &mut Conn,
     req: &Request,
-    kind: Kind,
+    res: usize,
     ns: Option<&str>,
     sel: &Selectors,
 ) -> Flow {
-    sh.watches[kind.idx()].fetch_add(1, Ordering::SeqCst);
+    sh.watches[res].fetch_add(1, Ordering::SeqCst);
     let bookmarks = req.flag("allowWatchBookmarks");
     let send_initial = req.flag("sendInitialEvents");
     let timeout = req
@@ -1487,12 +2023,12 @@ async fn serve_watch(
                 }
             }
             _ => {
-                for o in st.matching(kind, ns, sel) {
+                for o in st.matching(res, ns, sel) {
                     push_event(&mut out, "ADDED", &o.json);
                 }
                 cursor = st.rv;
                 if send_initial && bookmarks {
-                    push_bookmark(&mut out, kind, cursor, true);
+                    push_bookmark(&mut out, res, cursor, true);
                 }
             }
         }
@@ -1522,7 +2058,7 @@ async fn serve_watch(
         if !ctl.stalled {
             let gone = {
                 let st = sh.store();
-                let r = scan(&st, &mut cursor, kind, ns, sel, &mut out);
+                let r = scan(&st, &mut cursor, res, ns, sel, &mut out);
                 r.err().map(|()| expired_event(cursor, st.gone_below))
             };
             if let Some(err) = gone {
@@ -1532,7 +2068,7 @@ async fn serve_watch(
             }
             let now = Instant::now();
             if bookmarks && now >= next_bookmark {
-                push_bookmark(&mut out, kind, cursor, false);
+                push_bookmark(&mut out, res, cursor, false);
                 next_bookmark = now + interval();
             }
             if c.chunk(&out).await.is_err() {
@@ -1567,6 +2103,125 @@ async fn serve_watch(
 #[cfg(test)]
 mod unit {
     use super::*;
+
+    fn req(method: &str, content_type: &str, body: Value) -> Request {
+        Request {
+            method: method.into(),
+            path: String::new(),
+            query: Vec::new(),
+            close: false,
+            content_type: content_type.into(),
+            body: serde_json::to_vec(&body).unwrap(),
+        }
+    }
+
+    const MERGE: &str = "application/merge-patch+json";
+    const APPLY: &str = "application/apply-patch+yaml";
+
+    #[test]
+    fn generic_writes() {
+        let networks = resource_index("extensions.gardener.cloud/v1alpha1", "networks").unwrap();
+        let mut st = Store::new(100);
+        let w = |st: &mut Store, method, ct, name: Option<&str>, status, body| {
+            write(st, &req(method, ct, body), networks, "ns", name, status)
+        };
+        // Create drops the status (a subresource) and starts at generation 1.
+        let n = json!({"apiVersion": "extensions.gardener.cloud/v1alpha1", "kind": "Network",
+                       "metadata": {"name": "a", "finalizers": ["f"]},
+                       "spec": {"type": "ferry"}, "status": {"x": 1}});
+        let (code, v) = w(&mut st, "POST", "application/json", None, false, n.clone()).unwrap();
+        assert_eq!((code, &v["metadata"]["generation"]), (201, &json!(1)));
+        assert!(v.get("status").is_none());
+        assert_eq!(
+            w(&mut st, "POST", "application/json", None, false, n)
+                .err()
+                .unwrap()
+                .code,
+            409
+        );
+        // /status changes only the status; the object keeps it.
+        let patch = json!({"status": {"x": 2}, "spec": {"type": "other"}});
+        let (_, v) = w(&mut st, "PATCH", MERGE, Some("a"), true, patch).unwrap();
+        assert_eq!(
+            (&v["status"]["x"], &v["spec"]["type"]),
+            (&json!(2), &json!("ferry"))
+        );
+        let patch = json!({"status": null, "spec": {"type": "calico"}});
+        let (_, v) = w(&mut st, "PATCH", MERGE, Some("a"), false, patch).unwrap();
+        assert_eq!(v["status"]["x"], 2);
+        assert_eq!(v["metadata"]["generation"], 2, "a spec change");
+        let (_, v) = w(
+            &mut st,
+            "PATCH",
+            MERGE,
+            Some("a"),
+            false,
+            json!({"metadata": {"labels": {"l": "1"}}}),
+        )
+        .unwrap();
+        assert_eq!(v["metadata"]["generation"], 2, "metadata only");
+        // A stale resourceVersion is a conflict.
+        let stale = json!({"metadata": {"resourceVersion": "1", "finalizers": []}});
+        assert_eq!(
+            w(&mut st, "PATCH", MERGE, Some("a"), false, stale)
+                .err()
+                .unwrap()
+                .code,
+            409
+        );
+        // Finalizers hold a delete; dropping the last one completes it.
+        let (_, v) = w(
+            &mut st,
+            "DELETE",
+            "application/json",
+            Some("a"),
+            false,
+            json!({}),
+        )
+        .unwrap();
+        assert!(v["metadata"]["deletionTimestamp"].is_string());
+        assert!(st.objects[networks].contains_key(&("ns".into(), "a".into())));
+        w(
+            &mut st,
+            "PATCH",
+            MERGE,
+            Some("a"),
+            false,
+            json!({"metadata": {"finalizers": null}}),
+        )
+        .unwrap();
+        assert!(st.objects[networks].is_empty());
+        // Apply creates; a merge patch of an absent object is 404.
+        assert_eq!(
+            w(&mut st, "PATCH", MERGE, Some("b"), false, json!({}))
+                .err()
+                .unwrap()
+                .code,
+            404
+        );
+        let (code, v) = w(
+            &mut st,
+            "PATCH",
+            APPLY,
+            Some("b"),
+            false,
+            json!({"spec": {"type": "ferry"}}),
+        )
+        .unwrap();
+        assert_eq!(
+            (code, &v["metadata"]["name"], &v["kind"]),
+            (201, &json!("b"), &json!("Network"))
+        );
+        let code = w(
+            &mut st,
+            "PATCH",
+            "application/json-patch+json",
+            Some("b"),
+            false,
+            json!([]),
+        );
+        assert_eq!(code.err().unwrap().code, 415);
+    }
 
     #[test]
     fn label_selectors() {
