@@ -124,6 +124,13 @@ async fn reconcile(object: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Acti
     if annotation.as_deref() == Some("reconcile") {
         remove_operation_annotation(&networks, &name).await?;
     }
+    // Gardener does not retry a shoot whose last operation failed, and neither do its
+    // extensions (`IsFailed`); gardenlet asks again once it retries the shoot. A delete
+    // still runs, so that a failed shoot can always go.
+    if op != LastOperationType::Delete && shoot_failed(&ctx.client, &namespace).await? {
+        info!(%namespace, %name, ?op, "skipped: the shoot's last operation failed");
+        return Ok(Action::await_change());
+    }
     let generation = network.metadata.generation;
     let write = |outcome: Outcome<'_>| status::patch(op, &outcome, generation, now());
     patch_status(&networks, &name, write(Outcome::Processing)).await?;
@@ -175,6 +182,21 @@ async fn reconcile(object: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Acti
             })
         }
     }
+}
+
+/// The Cluster's shoot has a `Failed` last operation. A missing Cluster or one that does
+/// not decode is not failed: the operation itself then reports why it cannot go on.
+async fn shoot_failed(client: &Client, namespace: &str) -> Result<bool, Error> {
+    let clusters: Api<DynamicObject> = Api::all_with(client.clone(), &cluster_resource());
+    let Some(cluster) = clusters.get_opt(namespace).await? else {
+        return Ok(false);
+    };
+    let cluster: Option<Cluster> = serde_json::to_value(cluster)
+        .and_then(serde_json::from_value)
+        .ok();
+    Ok(cluster
+        .and_then(|c| c.shoot().ok())
+        .is_some_and(|shoot| shoot.is_failed()))
 }
 
 /// Reads the Cluster, decides, renders, and applies the Secret and the ManagedResource.

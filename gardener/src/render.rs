@@ -262,6 +262,57 @@ mod tests {
         }
     }
 
+    /// The agent's command line as source text: every flag the renderer emits must be
+    /// one of its `AgentArgs` fields (clap's `long` names are the fields in kebab case).
+    const AGENT_MAIN: &str = include_str!("../../agent/src/main.rs");
+
+    #[test]
+    fn every_rendered_flag_is_an_agent_flag() {
+        let start = AGENT_MAIN
+            .find("struct AgentArgs {")
+            .expect("AgentArgs in agent/src/main.rs");
+        let end = start
+            + AGENT_MAIN[start..]
+                .find("\n}")
+                .expect("the end of AgentArgs");
+        let agent_args = &AGENT_MAIN[start..end];
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata");
+        let mut checked = 0;
+        for (name, _, _) in cases() {
+            let rendered = std::fs::read_to_string(dir.join(name)).unwrap();
+            let args = agent(&daemonset(&rendered)).args.unwrap();
+            assert_eq!(args[0], "agent", "{name}: the subcommand");
+            for arg in &args[1..] {
+                let flag = arg
+                    .strip_prefix("--")
+                    .unwrap_or_else(|| panic!("{name}: {arg}"));
+                let (flag, value) = flag.split_once('=').unwrap_or((flag, ""));
+                let field = flag.replace('-', "_");
+                let line = agent_args
+                    .lines()
+                    .map(str::trim)
+                    .find(|l| l.starts_with(&format!("{field}: ")))
+                    .unwrap_or_else(|| panic!("{name}: {arg} is not a flag of `ferry agent`"));
+                // Booleans given a value take it (ArgAction::Set); plain switches none.
+                if line.ends_with("bool,") && !value.is_empty() {
+                    assert!(["true", "false"].contains(&value), "{name}: {arg}");
+                    let field_at = agent_args.find(&format!("    {field}: ")).unwrap();
+                    let attrs = &agent_args[..field_at];
+                    let attr = &attrs[attrs.rfind("#[arg(").unwrap()..];
+                    assert!(
+                        attr.contains("ArgAction::Set"),
+                        "{name}: {arg} takes no value"
+                    );
+                }
+                if flag == "overlay" {
+                    assert!(["none", "vxlan"].contains(&value), "{name}: {arg}");
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 20, "{checked} flags checked");
+    }
+
     fn daemonset(rendered: &str) -> DaemonSet {
         let ds = serde_yaml::Deserializer::from_str(rendered)
             .map(|d| Value::deserialize(d).unwrap())

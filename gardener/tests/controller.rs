@@ -720,3 +720,59 @@ async fn heartbeat_lease_is_renewed() {
     assert!(renewed_at(&lease(&seed).unwrap()) > t0);
     task.abort();
 }
+
+/// A shoot whose last operation failed is not retried (Gardener's `IsFailed`): the
+/// request is taken off and nothing else is written, until gardenlet retries the shoot.
+/// A delete still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_shoot_is_skipped_but_can_be_deleted() {
+    let seed = Seed::start();
+    let mut failed = shoot(false, &["IPv4"]);
+    failed["status"]["lastOperation"] = json!({"type": "Reconcile", "state": "Failed"});
+    seed.create(cluster(failed), network(&["IPv4"], None)).await;
+    let n = seed
+        .wait("the reconcile annotation removed", |s| {
+            s.network().filter(|n| {
+                n["metadata"]["annotations"]
+                    .get(OPERATION_ANNOTATION)
+                    .is_none()
+            })
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let now = seed.network().unwrap();
+    assert_eq!(
+        now["metadata"]["resourceVersion"], n["metadata"]["resourceVersion"],
+        "nothing written after the annotation: {now:#}"
+    );
+    assert!(now.get("status").is_none(), "{now:#}");
+    assert!(now["metadata"].get("finalizers").is_none(), "{now:#}");
+    assert!(seed.managed_resource().is_none());
+
+    // gardenlet retries the shoot: Processing, then the reconcile request.
+    seed.patch_shoot(json!({"status": {"lastOperation": {"state": "Processing"}}}))
+        .await;
+    seed.request("reconcile").await;
+    seed.wait_done("Create", "Succeeded").await;
+    assert!(seed.managed_resource().is_some());
+
+    // Failed again, then deleted: the delete is not skipped.
+    seed.patch_shoot(json!({"status": {"lastOperation": {"state": "Failed"}}}))
+        .await;
+    seed.request("reconcile").await;
+    seed.wait("the request taken off", |s| {
+        s.network().filter(|n| {
+            n["metadata"]["annotations"]
+                .get(OPERATION_ANNOTATION)
+                .is_none()
+        })
+    })
+    .await;
+    seed.networks()
+        .delete(NAME, &DeleteParams::default())
+        .await
+        .expect("delete the Network");
+    seed.wait("the Network gone", |s| s.network().is_none().then_some(()))
+        .await;
+    assert!(seed.managed_resource().is_none());
+}
