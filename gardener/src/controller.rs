@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 use crate::{
     config,
     decide::{self, DecideError},
-    managed, operation,
+    health, managed, operation,
     render::{self, RenderError},
     status::{self, Outcome, Rendered},
     types::{
@@ -38,6 +38,9 @@ pub const HEARTBEAT_LEASE: &str = "gardener-extension-heartbeat";
 pub const HEARTBEAT_PERIOD: Duration = Duration::from_secs(30);
 /// How long a delete waits for gardener-resource-manager to remove the ManagedResource.
 pub const DELETE_WAIT: Duration = Duration::from_secs(120);
+/// How often the health condition is read from the ManagedResource (the sync period of
+/// Gardener's health check library).
+pub const HEALTH_PERIOD: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -329,6 +332,65 @@ async fn set_finalizers(
     networks
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
+    Ok(())
+}
+
+/// Writes every Network's health condition from its ManagedResource's conditions, every
+/// `period` ([`HEALTH_PERIOD`] in the seed), until the process ends. A Network that is
+/// being deleted, was migrated away, or has no ManagedResource is left alone.
+pub async fn health(client: Client, period: Duration) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = check_health(&client).await {
+            warn!("health check: {e}");
+        }
+    }
+}
+
+async fn check_health(client: &Client) -> Result<(), Error> {
+    let all: Api<DynamicObject> = Api::all_with(client.clone(), &network_resource());
+    for object in all.list(&Default::default()).await? {
+        let Ok(value) = serde_json::to_value(&object) else {
+            continue;
+        };
+        let Ok(network) = serde_json::from_value::<Network>(value.clone()) else {
+            continue;
+        };
+        let migrated = network.status.last_operation.as_ref().is_some_and(|l| {
+            l.type_ == LastOperationType::Migrate
+                && l.state == crate::types::LastOperationState::Succeeded
+        });
+        if !operation::is_ours(&network)
+            || network.metadata.deletion_timestamp.is_some()
+            || migrated
+        {
+            continue;
+        }
+        let namespace = network.metadata.namespace.clone().unwrap_or_default();
+        let name = network.metadata.name.clone().unwrap_or_default();
+        let Some(mr) = managed_resources(client, &namespace)
+            .get_opt(managed::MANAGED_RESOURCE_NAME)
+            .await?
+        else {
+            continue;
+        };
+        let mr = serde_json::to_value(&mr).unwrap_or(Value::Null);
+        let health = health::of_managed_resource(&mr);
+        let now = serde_json::to_value(now()).unwrap_or(Value::Null);
+        let now = now.as_str().unwrap_or_default();
+        if let Some(conditions) = health::conditions_with(&value, &health, now) {
+            debug!(%namespace, %name, status = health.status, "health condition");
+            let networks: Api<DynamicObject> =
+                Api::namespaced_with(client.clone(), &namespace, &network_resource());
+            let patch = json!({"status": {"conditions": conditions}});
+            let written = networks
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await;
+            ignore_not_found(written)?;
+        }
+    }
     Ok(())
 }
 

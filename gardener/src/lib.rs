@@ -4,7 +4,8 @@
 //!
 //! Pure parts first, one concern each, with the I/O in `controller` only:
 //! `types` (what is read and written), `config` (ferry's providerConfig), `decide` (who
-//! routes Services, which IP families), `render` (the shoot manifests from
+//! routes Services, which IP families), `health` (the Network's health condition),
+//! `render` (the shoot manifests from
 //! `deploy/ferry.yaml`), `managed` (the Secret and ManagedResource), `operation` (which
 //! operation a Network asks for) and `status` (the status patch); `controller` holds the
 //! kube-rs loop and the heartbeat, and nothing else.
@@ -12,6 +13,7 @@
 pub mod config;
 pub mod controller;
 pub mod decide;
+pub mod health;
 pub mod managed;
 pub mod operation;
 pub mod render;

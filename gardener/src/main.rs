@@ -19,6 +19,10 @@ struct Args {
     /// How often the heartbeat Lease is renewed, in seconds.
     #[arg(long, default_value_t = controller::HEARTBEAT_PERIOD.as_secs())]
     heartbeat_period_seconds: u64,
+    /// How often the Networks' health condition is read from their ManagedResources, in
+    /// seconds.
+    #[arg(long, default_value_t = controller::HEALTH_PERIOD.as_secs())]
+    health_check_period_seconds: u64,
 }
 
 #[tokio::main]
@@ -37,6 +41,10 @@ async fn main() -> anyhow::Result<()> {
         args.heartbeat_namespace,
         args.extension_name,
         std::time::Duration::from_secs(args.heartbeat_period_seconds.max(1)),
+    ));
+    tokio::spawn(controller::health(
+        client.clone(),
+        std::time::Duration::from_secs(args.health_check_period_seconds.max(1)),
     ));
     controller::run(controller::Context {
         client,

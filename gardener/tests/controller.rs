@@ -776,3 +776,95 @@ async fn a_failed_shoot_is_skipped_but_can_be_deleted() {
         .await;
     assert!(seed.managed_resource().is_none());
 }
+
+/// The Network's `SystemComponentsHealthy` condition follows the ManagedResource's
+/// conditions, as gardener-resource-manager writes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_condition_follows_the_managed_resource() {
+    let mut seed = reconciled(&["IPv4"], None).await;
+    seed.tasks.push(tokio::spawn(controller::health(
+        seed.client.clone(),
+        Duration::from_millis(100),
+    )));
+    let generation = seed.managed_resource().unwrap()["metadata"]["generation"].clone();
+    let set = |healthy: &'static str, message: &'static str| {
+        let mrs = seed.managed_resources();
+        let generation = generation.clone();
+        async move {
+            let c = |type_: &str, status: &str, message: &str| {
+                json!({"type": type_, "status": status, "reason": "R", "message": message,
+                       "lastTransitionTime": "2026-01-02T03:04:05Z",
+                       "lastUpdateTime": "2026-01-02T03:04:05Z"})
+            };
+            let status = json!({"status": {"observedGeneration": generation, "conditions": [
+                c("ResourcesApplied", "True", "All resources are applied."),
+                c("ResourcesHealthy", healthy, message),
+                c("ResourcesProgressing", "False", "All resources are rolled out."),
+            ]}});
+            mrs.patch_status(
+                managed::MANAGED_RESOURCE_NAME,
+                &PatchParams::default(),
+                &Patch::Merge(&status),
+            )
+            .await
+            .expect("write the ManagedResource's status");
+        }
+    };
+    let condition = |s: &Seed, status: &str| {
+        let n = s.network()?;
+        let c = n["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "SystemComponentsHealthy")?
+            .clone();
+        (c["status"] == status).then_some(c)
+    };
+
+    set("True", "All resources are healthy.").await;
+    let healthy = seed
+        .wait("SystemComponentsHealthy True", |s| condition(s, "True"))
+        .await;
+    assert_eq!(healthy["reason"], "HealthCheckSuccessful");
+    assert_eq!(healthy["message"], "All health checks successful");
+    for time in ["lastTransitionTime", "lastUpdateTime"] {
+        assert!(healthy[time].is_string(), "{time}: {healthy:#}");
+    }
+
+    set(
+        "False",
+        "DaemonSet kube-system/ferry is unhealthy: 1 pod not ready",
+    )
+    .await;
+    let sick = seed
+        .wait("SystemComponentsHealthy False", |s| condition(s, "False"))
+        .await;
+    assert_eq!(sick["reason"], "HealthCheckUnsuccessful");
+    let message = sick["message"].as_str().unwrap();
+    assert!(
+        message.contains("ResourcesHealthy")
+            && message.contains("DaemonSet kube-system/ferry is unhealthy: 1 pod not ready"),
+        "{message}"
+    );
+    // The rest of the status is the controller's and stays.
+    let n = seed.network().unwrap();
+    assert_eq!(n["status"]["lastOperation"]["state"], "Succeeded");
+
+    set("True", "All resources are healthy.").await;
+    let again = seed
+        .wait("SystemComponentsHealthy True again", |s| {
+            condition(s, "True")
+        })
+        .await;
+    // Times are whole seconds (metav1.Time); the transition times never go back.
+    let at = |c: &Value| c["lastTransitionTime"].as_str().unwrap().to_string();
+    assert!(at(&healthy) <= at(&sick) && at(&sick) <= at(&again));
+    // Unchanged, it is not written again: the Network keeps its resourceVersion.
+    let rv = seed.network().unwrap()["metadata"]["resourceVersion"].clone();
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert_eq!(seed.network().unwrap()["metadata"]["resourceVersion"], rv);
+    // And a health write starts no operation.
+    assert_eq!(
+        seed.network().unwrap()["status"]["lastOperation"]["type"],
+        "Create"
+    );
+}
