@@ -13,7 +13,8 @@ use crate::setup;
 const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 const DEBIAN_CARGO: &str = "/usr/bin/cargo";
 const DEBIAN_RUST_SRC: &str = "/usr/lib/rustlib/src/rust/library";
-const BPF_RUSTFLAGS: &str = r#""--cfg=bpf_target_arch=\"x86_64\"","-Cdebuginfo=2","-Clink-arg=--btf","-Cpanic=abort""#;
+const BPF_RUSTFLAGS: &str =
+    r#""--cfg=bpf_target_arch=\"x86_64\"","-Cdebuginfo=2","-Clink-arg=--btf","-Cpanic=abort""#;
 
 /// The eBPF build's rustflags. The checkout's path is remapped to `/ferry` in the
 /// object's debug info and BTF line info, so that the same commit gives the same object,
