@@ -8,12 +8,13 @@
 //! `render` (the shoot manifests from
 //! `deploy/ferry.yaml`), `managed` (the Secret and ManagedResource), `operation` (which
 //! operation a Network asks for) and `status` (the status patch); `controller` holds the
-//! kube-rs loop and the heartbeat, and nothing else.
+//! kube-rs loop, the health loop and the heartbeat; `leader` the leader election.
 
 pub mod config;
 pub mod controller;
 pub mod decide;
 pub mod health;
+pub mod leader;
 pub mod managed;
 pub mod operation;
 pub mod render;

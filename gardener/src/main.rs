@@ -2,7 +2,9 @@
 //! the seed by the chart in `deploy/gardener/`.
 
 use clap::Parser;
-use ferry_gardener::{controller, render};
+use std::time::Duration;
+
+use ferry_gardener::{controller, leader, render};
 
 #[derive(Parser)]
 #[command(version, about = "Gardener networking extension for type ferry")]
@@ -23,6 +25,20 @@ struct Args {
     /// seconds.
     #[arg(long, default_value_t = controller::HEALTH_PERIOD.as_secs())]
     health_check_period_seconds: u64,
+    /// Run the controller only while holding the leader Lease (in the heartbeat's
+    /// namespace), so that two replicas can run.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    leader_election: bool,
+    /// The leader Lease's name.
+    #[arg(long, default_value = leader::LEASE_NAME)]
+    leader_election_id: String,
+    /// The leader Lease's duration, in seconds: another replica takes over this long
+    /// after the leader stopped renewing.
+    #[arg(long, default_value_t = leader::LEASE_DURATION.as_secs())]
+    leader_election_lease_duration_seconds: u64,
+    /// This replica's identity in the leader Lease (the chart sets the pod's name).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
 }
 
 #[tokio::main]
@@ -36,20 +52,40 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     // KUBECONFIG when set, else the in-cluster service account.
     let client = kube::Client::try_default().await?;
-    tokio::spawn(controller::heartbeat(
-        client.clone(),
-        args.heartbeat_namespace,
-        args.extension_name,
-        std::time::Duration::from_secs(args.heartbeat_period_seconds.max(1)),
-    ));
-    tokio::spawn(controller::health(
-        client.clone(),
-        std::time::Duration::from_secs(args.health_check_period_seconds.max(1)),
-    ));
-    controller::run(controller::Context {
-        client,
-        ferry_image: args.ferry_image,
-    })
-    .await;
+    let period = |seconds: u64| Duration::from_secs(seconds.max(1));
+    // Only the leader renews the heartbeat, checks health and reconciles.
+    let work = async {
+        tokio::join!(
+            controller::heartbeat(
+                client.clone(),
+                args.heartbeat_namespace.clone(),
+                args.extension_name.clone(),
+                period(args.heartbeat_period_seconds),
+            ),
+            controller::health(client.clone(), period(args.health_check_period_seconds)),
+            controller::run(controller::Context {
+                client: client.clone(),
+                ferry_image: args.ferry_image.clone(),
+            }),
+        );
+    };
+    if !args.leader_election {
+        work.await;
+        return Ok(());
+    }
+    let identity = match args.identity.clone() {
+        Some(id) => id,
+        None => std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| format!("gardener-extension-ferry-{}", std::process::id())),
+    };
+    let config = leader::Config {
+        namespace: args.heartbeat_namespace.clone(),
+        name: args.leader_election_id.clone(),
+        identity,
+        lease_duration: period(args.leader_election_lease_duration_seconds),
+    };
+    // Leadership lost: exit, and the restarted replica becomes a candidate again.
+    leader::lead(client.clone(), config, work).await?;
     Ok(())
 }

@@ -868,3 +868,87 @@ async fn health_condition_follows_the_managed_resource() {
         "Create"
     );
 }
+
+/// Two replicas behind one leader Lease: only the leader reconciles; when it stops
+/// without releasing (a crash), the other takes over within the lease duration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_reconciles_and_the_other_takes_over() {
+    use ferry_gardener::leader;
+    let api = FakeApi::start();
+    let config = kube::Config::new(api.url().parse().expect("the fake's URL"));
+    let client = Client::try_from(config).expect("a client for the fake API server");
+    let namespace = "extension-networking-ferry-x1";
+    let duration = Duration::from_secs(1);
+    let replica = |identity: &str| {
+        let config = leader::Config {
+            namespace: namespace.to_string(),
+            name: leader::LEASE_NAME.to_string(),
+            identity: identity.to_string(),
+            lease_duration: duration,
+        };
+        let ctx = controller::Context {
+            client: client.clone(),
+            ferry_image: format!("registry.example.com/ferry:{identity}"),
+        };
+        tokio::spawn(leader::lead(client.clone(), config, controller::run(ctx)))
+    };
+    let mut replicas = vec![replica("a"), replica("b")];
+    let seed = Seed {
+        api,
+        client: client.clone(),
+        tasks: vec![],
+    };
+    let lease = |s: &Seed| {
+        s.api.get_object(
+            "coordination.k8s.io/v1",
+            "leases",
+            namespace,
+            leader::LEASE_NAME,
+        )
+    };
+    let holder = |l: &Value| l["spec"]["holderIdentity"].as_str().unwrap().to_string();
+    let first = holder(&seed.wait("a leader", lease).await);
+    seed.create(cluster(shoot(false, &["IPv4"])), network(&["IPv4"], None))
+        .await;
+    seed.wait_done("Create", "Succeeded").await;
+    let image = |s: &Seed| s.agent()["image"].as_str().unwrap().to_string();
+    assert_eq!(image(&seed), format!("registry.example.com/ferry:{first}"));
+    // Both replicas watch; only the leader writes: had the other reconciled, a second
+    // Secret (its image) would be there.
+    for _ in 0..3 {
+        seed.request("reconcile").await;
+        seed.wait_done("Reconcile", "Succeeded").await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(seed.secrets().len(), 1, "one image, one Secret");
+    let l = lease(&seed).unwrap();
+    assert_eq!(holder(&l), first);
+    assert_eq!(l["spec"]["leaseDurationSeconds"], 1);
+    assert_eq!(l["spec"]["leaseTransitions"], 0);
+
+    // The leader crashes: it stops renewing and never releases.
+    let (leader_index, other) = if first == "a" { (0, "b") } else { (1, "a") };
+    replicas.remove(leader_index).abort();
+    let stopped = Instant::now();
+    let taken = seed
+        .wait("the other replica leading", |s| {
+            lease(s).filter(|l| holder(l) == other)
+        })
+        .await;
+    let took = stopped.elapsed();
+    assert!(
+        took <= duration + Duration::from_millis(700),
+        "took over after {took:?}"
+    );
+    assert_eq!(taken["spec"]["leaseTransitions"], 1);
+    seed.request("reconcile").await;
+    seed.wait("the new leader's image", |s| {
+        (image(s) == format!("registry.example.com/ferry:{other}")).then_some(())
+    })
+    .await;
+    seed.wait_done("Reconcile", "Succeeded").await;
+    eprintln!("takeover after {took:?}");
+    for r in replicas {
+        r.abort();
+    }
+}

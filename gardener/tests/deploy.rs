@@ -91,7 +91,19 @@ fn chart_templates_render_to_kubernetes_objects() {
                     "ghcr.io/ferry-proj/gardener-extension-ferry:0.1.0"
                 );
                 assert_eq!(c["args"][0], "--ferry-image=ghcr.io/ferry-proj/ferry:0.1.0");
-                assert_eq!(doc["spec"]["replicas"], 1);
+                assert_eq!(c["args"][1], "--leader-election-lease-duration-seconds=15");
+                // Leader election: two replicas, rolled one by one.
+                assert_eq!(doc["spec"]["replicas"], 2);
+                assert_eq!(doc["spec"]["strategy"]["type"], "RollingUpdate");
+                let env: Vec<&str> = c["env"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .map(|e| e["name"].as_str().unwrap())
+                    .collect();
+                for name in ["LEADER_ELECTION_NAMESPACE", "POD_NAME"] {
+                    assert!(env.contains(&name), "{name} in {env:?}");
+                }
             }
             if doc["kind"] == "ClusterRole" {
                 let granted: Vec<String> = doc["rules"]
