@@ -48,8 +48,13 @@ fn image_ref() -> String {
 }
 
 fn archive() -> PathBuf {
+    archive_of("ferry")
+}
+
+/// `target/image/<binary>-<version>.oci.tar`, as `cargo xtask image` writes it.
+fn archive_of(binary: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(format!("../target/image/ferry-{VERSION}.oci.tar"));
+        .join(format!("../target/image/{binary}-{VERSION}.oci.tar"));
     assert!(
         p.exists(),
         "{} is missing: run `cargo xtask image` (or `cargo xtask test`, which builds it)",
@@ -951,4 +956,59 @@ fn the_gardener_rendered_daemonset_runs_the_pod_network() {
     );
     assert_reaches_all(&w, &pod_ns, &format!("{VIP}:80"));
     stop_agent(&ctr, &log);
+}
+
+/// The Gardener extension controller's image (`cargo xtask image` writes it next to
+/// ferry's, named as deploy/gardener/values.yaml says) imports under the name the chart
+/// uses and its binary runs in it: all its libraries are there.
+#[test]
+fn the_controller_image_runs_its_binary() {
+    require_runtime();
+    let archive = archive_of("gardener-extension-ferry");
+    let values = fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/gardener/values.yaml"
+    ))
+    .unwrap();
+    let values: Value = serde_yaml::from_str(&values).unwrap();
+    let name = format!(
+        "{}:{}",
+        values["image"]["repository"].as_str().unwrap(),
+        values["image"]["tag"].as_str().unwrap()
+    );
+    let scratch = std::env::temp_dir().join(format!("ferry-ctl-image-{}", std::process::id()));
+    fs::create_dir_all(&scratch).unwrap();
+    struct Rm(PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+    let _rm = Rm(scratch.clone());
+    let ctr = Containerd::start("ctl-image");
+    ctr.ctr_ok(&["images", "import", &archive.to_string_lossy()]);
+    let images = ctr.ctr_ok(&["images", "ls", "-q"]);
+    assert!(
+        images.lines().any(|l| l == name),
+        "{name} not imported: {images}"
+    );
+    let out = ctr.ctr(&[
+        "run",
+        "--rm",
+        "--runc-root",
+        &ctr.dir.join("runc").display().to_string(),
+        "--fifo-dir",
+        &ctr.dir.join("fifo").display().to_string(),
+        &name,
+        "ctl-help",
+        "/usr/local/bin/gardener-extension-ferry",
+        "--help",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("--leader-election"),
+        "gardener-extension-ferry --help in its image: {:?}\n{text}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

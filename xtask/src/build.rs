@@ -128,6 +128,8 @@ pub(crate) fn all() -> Result<()> {
         "ferry-tests",
         "-p",
         "ferry-cni",
+        "-p",
+        "ferry-gardener",
         "--bins",
     ]);
     run(&mut cmd, "building target/release/ferry")?;

@@ -1,4 +1,6 @@
-//! `cargo xtask image`: ferry's container image as an OCI archive, without Docker.
+//! `cargo xtask image`: ferry's container image as an OCI archive, without Docker, and
+//! the Gardener extension controller's (its binary, libraries and CA certificates only;
+//! [`CONTROLLER`]).
 //!
 //! The archive `target/image/ferry-<version>.oci.tar` is an OCI image layout (oci-layout,
 //! index.json, blobs/sha256/...) in a plain tar, plus Docker's `manifest.json` so that
@@ -49,15 +51,43 @@ const MT_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 const MT_LAYER: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 const MT_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 
-/// `<repo>:<version>`, the name importers give the image.
-pub(crate) fn image_ref() -> String {
-    format!("{IMAGE_REPO}:{VERSION}")
+/// One of the images `cargo xtask image` writes.
+#[derive(Clone, Copy)]
+pub(crate) struct Spec {
+    /// The repository; the tag is the workspace version.
+    pub(crate) repo: &'static str,
+    /// The binary in target/release, installed as /usr/local/bin/<name>, the entrypoint.
+    pub(crate) binary: &'static str,
+    /// The default arguments, if any.
+    pub(crate) cmd: Option<&'static str>,
 }
 
-/// Where `cargo xtask image` leaves the archive.
-pub(crate) fn archive_path() -> PathBuf {
-    build::workspace_root().join(format!("target/image/ferry-{VERSION}.oci.tar"))
+/// The node agent (with the CNI plugin and the takeover's tools).
+pub(crate) const FERRY: Spec = Spec {
+    repo: IMAGE_REPO,
+    binary: "ferry",
+    cmd: Some("agent"),
+};
+/// The Gardener extension controller (crate gardener/): its binary, CA certificates and
+/// libraries only.
+pub(crate) const CONTROLLER: Spec = Spec {
+    repo: "ghcr.io/ferry-proj/gardener-extension-ferry",
+    binary: "gardener-extension-ferry",
+    cmd: None,
+};
+
+impl Spec {
+    /// `<repo>:<version>`, the name importers give the image.
+    pub(crate) fn image_ref(&self) -> String {
+        format!("{}:{VERSION}", self.repo)
+    }
+
+    /// Where `cargo xtask image` leaves the archive.
+    pub(crate) fn archive_path(&self) -> PathBuf {
+        build::workspace_root().join(format!("target/image/{}-{VERSION}.oci.tar", self.binary))
+    }
 }
+
 
 /// Builds target/release/ferry (eBPF object first) unless `no_build`, then the archive.
 pub(crate) fn run(no_build: bool) -> Result<()> {
@@ -67,10 +97,17 @@ pub(crate) fn run(no_build: bool) -> Result<()> {
     build_archive()
 }
 
-/// Writes the archive from the binary already built.
+/// Writes both archives from the binaries already built.
 pub(crate) fn build_archive() -> Result<()> {
+    write_archive(FERRY)?;
+    write_archive(CONTROLLER)
+}
+
+fn write_archive(spec: Spec) -> Result<()> {
     let started = std::time::Instant::now();
-    let bin = build::workspace_root().join("target/release/ferry");
+    let bin = build::workspace_root()
+        .join("target/release")
+        .join(spec.binary);
     if !bin.exists() {
         bail!(
             "{} is missing: run `cargo xtask build` first",
@@ -78,19 +115,24 @@ pub(crate) fn build_archive() -> Result<()> {
         );
     }
     let mtime = source_date_epoch()?;
-    let entries = image_entries(&bin)?;
+    let entries = if spec.binary == FERRY.binary {
+        image_entries(&bin)?
+    } else {
+        base_entries(&bin, spec.binary)?
+    };
     let layer_tar = tar(&entries, mtime);
     let layer_gz = gzip(&layer_tar)?;
-    let image = Image::new(&layer_tar, layer_gz);
-    let out = archive_path();
+    let image = Image::new(spec, &layer_tar, layer_gz);
+    let out = spec.archive_path();
     fs::create_dir_all(out.parent().unwrap())?;
     let tmp = out.with_extension("tar.tmp");
-    fs::write(&tmp, image.archive(mtime)).with_context(|| format!("writing {}", tmp.display()))?;
+    fs::write(&tmp, image.archive(spec, mtime))
+        .with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, &out).with_context(|| format!("renaming to {}", out.display()))?;
     println!(
         "image: {} ({}), layer {} ({:.1} MB gzip, {:.1} MB uncompressed), manifest {}, in {:.1}s",
         out.display(),
-        image_ref(),
+        spec.image_ref(),
         image.layer_digest,
         image.layer_gz.len() as f64 / 1e6,
         layer_tar.len() as f64 / 1e6,
@@ -244,6 +286,12 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
             data: read(Path::new("/etc/protocols"))?,
         },
     );
+    add_base_files(&mut e)?;
+    Ok(e)
+}
+
+/// CA certificates, a root-only /etc/passwd and /tmp: what every image has.
+fn add_base_files(e: &mut BTreeMap<String, Node>) -> Result<()> {
     let ca = Path::new(CA_BUNDLE);
     if !ca.exists() {
         bail!("{CA_BUNDLE} is missing: install Debian's ca-certificates (`cargo xtask setup`)");
@@ -252,7 +300,7 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
         CA_BUNDLE.trim_start_matches('/').into(),
         Node::File {
             mode: 0o644,
-            data: read(ca)?,
+            data: fs::read(ca).with_context(|| format!("reading {CA_BUNDLE}"))?,
         },
     );
     e.insert(
@@ -263,6 +311,27 @@ fn image_entries(bin: &Path) -> Result<BTreeMap<String, Node>> {
         },
     );
     e.insert("tmp".into(), Node::Dir { mode: 0o1777 });
+    Ok(())
+}
+
+/// An image of one binary: `/usr/local/bin/<name>`, its libraries and the base files.
+fn base_entries(bin: &Path, name: &str) -> Result<BTreeMap<String, Node>> {
+    let mut e = BTreeMap::new();
+    e.insert(
+        format!("usr/local/bin/{name}"),
+        Node::File {
+            mode: 0o755,
+            data: fs::read(bin).with_context(|| format!("reading {}", bin.display()))?,
+        },
+    );
+    for lib in shared_libraries(bin)? {
+        let data = fs::read(&lib).with_context(|| format!("reading {}", lib.display()))?;
+        e.insert(
+            lib.to_string_lossy().trim_start_matches('/').to_string(),
+            Node::File { mode: 0o755, data },
+        );
+    }
+    add_base_files(&mut e)?;
     Ok(e)
 }
 
@@ -455,17 +524,17 @@ pub(crate) struct Image {
 impl Image {
     /// No `created` date in the config (it is optional): the digests then depend on the
     /// layer only.
-    pub(crate) fn new(layer_tar: &[u8], layer_gz: Vec<u8>) -> Image {
-        let config = json!({
+    pub(crate) fn new(spec: Spec, layer_tar: &[u8], layer_gz: Vec<u8>) -> Image {
+        let mut config = json!({
             "architecture": oci_arch(),
             "os": "linux",
             "config": {
-                "Entrypoint": ["/usr/local/bin/ferry"],
-                "Cmd": ["agent"],
+                "Entrypoint": [format!("/usr/local/bin/{}", spec.binary)],
+                "Cmd": [spec.cmd],
                 "Env": [PATH_ENV],
                 "WorkingDir": "/",
                 "Labels": {
-                    "org.opencontainers.image.title": "ferry",
+                    "org.opencontainers.image.title": spec.binary,
                     "org.opencontainers.image.version": VERSION,
                     "org.opencontainers.image.licenses": "Apache-2.0",
                 },
@@ -473,6 +542,12 @@ impl Image {
             "rootfs": {"type": "layers", "diff_ids": [sha256(layer_tar)]},
             "history": [{"created_by": "cargo xtask image"}],
         });
+        if spec.cmd.is_none() {
+            config["config"]
+                .as_object_mut()
+                .expect("config object")
+                .remove("Cmd");
+        }
         let config = serde_json::to_vec(&config).expect("config json");
         let layer_digest = sha256(&layer_gz);
         let manifest = json!({
@@ -492,8 +567,8 @@ impl Image {
     }
 
     /// The OCI layout (plus Docker's manifest.json) as one tar.
-    pub(crate) fn archive(&self, mtime: u64) -> Vec<u8> {
-        let name = image_ref();
+    pub(crate) fn archive(&self, spec: Spec, mtime: u64) -> Vec<u8> {
+        let name = spec.image_ref();
         let index = json!({
             "schemaVersion": 2,
             "mediaType": MT_INDEX,
@@ -636,11 +711,11 @@ mod tests {
     fn same_input_gives_same_digests() {
         let a_tar = tar(&sample(), 0);
         let b_tar = tar(&sample(), 0);
-        let a = Image::new(&a_tar, gzip(&a_tar).unwrap());
-        let b = Image::new(&b_tar, gzip(&b_tar).unwrap());
+        let a = Image::new(FERRY, &a_tar, gzip(&a_tar).unwrap());
+        let b = Image::new(FERRY, &b_tar, gzip(&b_tar).unwrap());
         assert_eq!(a.layer_digest, b.layer_digest);
         assert_eq!(a.manifest_digest, b.manifest_digest);
-        assert_eq!(sha256(&a.archive(0)), sha256(&b.archive(0)));
+        assert_eq!(sha256(&a.archive(FERRY, 0)), sha256(&b.archive(FERRY, 0)));
         // A different SOURCE_DATE_EPOCH is a different layer.
         let c_tar = tar(&sample(), 1_700_000_000);
         assert_ne!(sha256(&a_tar), sha256(&c_tar));
