@@ -556,6 +556,10 @@ fn start_manifests(
     };
     send_all(&tx, &objects);
     let _ = tx.send(SourceEvent::Synced);
+    // The first view is always sent, empty or not: the pod network waits for it.
+    if let Some(ntx) = &nodes_tx {
+        ntx.send_replace(Arc::new(crate::podnet::nodes_of(&objects)));
+    }
     let send_nodes = move |o: &source::Objects| {
         if let Some(ntx) = &nodes_tx {
             let nodes = crate::podnet::nodes_of(o);
@@ -568,7 +572,6 @@ fn start_manifests(
             });
         }
     };
-    send_nodes(&objects);
     let (wtx, mut wrx) = watch::channel(objects);
     tokio::spawn(source::manifests::watch_with(
         source,

@@ -62,6 +62,11 @@ pub type Nodes = Arc<BTreeMap<String, NodeLite>>;
 /// Runs until `nodes` has no sender left.
 pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: SharedStatus) {
     let mut state = State::default();
+    // Nothing before the source's first view of the Nodes: an empty set would remove
+    // every route a previous agent left, and they would come back a moment later.
+    if nodes.changed().await.is_err() {
+        return;
+    }
     let mut tick = tokio::time::interval(cfg.resync.max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
