@@ -285,6 +285,23 @@ fn metrics(s: &Status) -> String {
             s.podnet_errors as f64,
         );
     }
+    if let Some((pods, from_pod, to_pod)) = s.podnet_fast_path {
+        m.gauge(
+            "ferry_pod_network_fast_path_pods",
+            "Pod veths whose traffic the pod network's fast path forwards at tc.",
+            pods as f64,
+        );
+        m.counter(
+            "ferry_pod_network_fast_path_from_pod_packets_total",
+            "Packets from pods the fast path sent on to a pod CIDR.",
+            from_pod as f64,
+        );
+        m.counter(
+            "ferry_pod_network_fast_path_to_pod_packets_total",
+            "Packets from other nodes the fast path delivered into a pod's namespace.",
+            to_pod as f64,
+        );
+    }
     m.counter(
         "ferry_map_write_failures_total",
         "Map writes that failed.",

@@ -193,6 +193,10 @@ struct AgentArgs {
     /// nothing changed (what someone removed comes back then).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pod_network_resync: u64,
+    /// Forward pod-to-pod packets at tc (eBPF on the pods' host veths and the uplinks)
+    /// instead of through the node's forwarding path (--pod-network).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pod_network_fast_path: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -372,6 +376,7 @@ fn run_agent(a: AgentArgs) -> Result<()> {
             no_masquerade,
             report_ready: false,
             resync: std::time::Duration::from_secs(a.pod_network_resync),
+            fast_path: a.pod_network_fast_path,
         })
     } else {
         None

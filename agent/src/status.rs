@@ -74,6 +74,9 @@ pub struct Status {
     /// run yet), and the problems of its last reconcile.
     pub podnet_routes: Option<u64>,
     pub podnet_errors: u64,
+    /// `--pod-network-fast-path`: pod veths carrying the program, and packets forwarded
+    /// from pods and to pods.
+    pub podnet_fast_path: Option<(u64, u64, u64)>,
 }
 
 pub type SharedStatus = Arc<Mutex<Status>>;
@@ -202,6 +205,7 @@ impl Default for Status {
             takeover_rules_removed: 0,
             podnet_routes: None,
             podnet_errors: 0,
+            podnet_fast_path: None,
         }
     }
 }

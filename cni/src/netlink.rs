@@ -215,6 +215,13 @@ impl Netlink {
         }
     }
 
+    /// Every link of the namespace.
+    pub fn links(&mut self) -> NlResult<Vec<Link>> {
+        let mut m = Msg::new(RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP);
+        m.ifinfo(0, 0, 0);
+        Ok(self.transact(m)?.iter().filter_map(|r| parse_link(r)).collect())
+    }
+
     /// Deletes the link named `name`; `false` when there was none.
     pub fn delete_link(&mut self, name: &str) -> NlResult<bool> {
         let mut m = Msg::new(RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK);

@@ -10,6 +10,7 @@ pub mod ct;
 pub mod ext;
 pub mod lb;
 pub mod metrics;
+pub mod podnet;
 pub mod sock;
 
 /// Version of the pinned map layout. Maps are pinned in `<bpffs>/v<N>/` with the version

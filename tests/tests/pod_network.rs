@@ -16,6 +16,9 @@
 //!   `--masquerade=false` it does not.
 //! - The VXLAN overlay carries the same mesh.
 //! - Nodes from the Kubernetes API (the fake API server) drive the same.
+//! - The fast path forwards pod-to-pod packets at tc: the nodes' forwarding path (an nft
+//!   counter in its forward hook) sees none of them, and with the fast path off it sees
+//!   them all.
 
 use std::{
     collections::BTreeSet,
@@ -301,6 +304,23 @@ fn routes_follow_the_nodes_and_leave_other_routes_alone() {
     );
 }
 
+/// Waits for node `n`'s restarted agent to finish a reconcile: its metrics show the
+/// routes to the two other nodes (both families).
+fn wait_restarted(c: &Cluster, n: usize) {
+    eventually(
+        &format!("node{n}'s restarted pod network reconciled"),
+        Duration::from_secs(10),
+        || {
+            let m = c.metrics(n);
+            if metric_value(&m, "ferry_pod_network_routes", "") == 4 {
+                Ok(())
+            } else {
+                Err(m)
+            }
+        },
+    );
+}
+
 #[test]
 fn an_agent_restart_keeps_pod_flows_and_changes_no_route() {
     let mut c = pod_network_cluster("podnet-restart");
@@ -328,18 +348,7 @@ fn an_agent_restart_keeps_pod_flows_and_changes_no_route() {
     }
     // Give the restarted agents a full reconcile: their metrics show the routes.
     for n in [1, 2] {
-        eventually(
-            &format!("node{n}'s restarted pod network reconciled"),
-            Duration::from_secs(10),
-            || {
-                let m = c.metrics(n);
-                if metric_value(&m, "ferry_pod_network_routes", "") == 4 {
-                    Ok(())
-                } else {
-                    Err(m)
-                }
-            },
-        );
+        wait_restarted(&c, n);
     }
     assert_eq!(
         session.ask("three", Duration::from_secs(3)).unwrap(),
@@ -356,6 +365,159 @@ fn an_agent_restart_keeps_pod_flows_and_changes_no_route() {
             added_before[n - 1],
             "node{n}'s restarted agent re-added routes:\n{}",
             c.agent_log(n)
+        );
+    }
+}
+
+/// Packets node `n`'s forwarding path saw to or from `pods` (nft counters in the forward
+/// hook of a table of the test's own, created on first use).
+fn forwarded_packets(c: &Cluster, n: usize, pods: &[&str]) -> u64 {
+    let ns = &c.node(n).netns;
+    if !sh(&format!("ip netns exec {ns} nft list tables")).contains("inet probe") {
+        let mut rules = String::from(
+            "table inet probe {\n chain forwarded {\n  type filter hook forward priority -300;\n",
+        );
+        for p in pods {
+            let pod = c.pod(p);
+            for (fam, ip) in [("ip", pod.v4.to_string()), ("ip6", pod.v6.to_string())] {
+                rules.push_str(&format!(
+                    "  {fam} daddr {ip} counter\n  {fam} saddr {ip} counter\n"
+                ));
+            }
+        }
+        rules.push_str(" }\n}\n");
+        sh(&format!("ip netns exec {ns} nft -f - <<'EOF'\n{rules}EOF"));
+    }
+    let out = sh(&format!("ip netns exec {ns} nft list table inet probe"));
+    out.split("packets ")
+        .skip(1)
+        .filter_map(|t| t.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Pod-to-pod connections between `pairs`, both families; each must reach its pod with
+/// the client's own address. Returns how many.
+fn connect_pairs(c: &Cluster, pairs: &[(&str, &str)], rounds: usize) -> usize {
+    let mut done = 0;
+    for _ in 0..rounds {
+        for (from, to) in pairs {
+            for v6 in [false, true] {
+                let (src, dst): (IpAddr, IpAddr) = if v6 {
+                    (c.pod(from).v6.into(), c.pod(to).v6.into())
+                } else {
+                    (c.pod(from).v4.into(), c.pod(to).v4.into())
+                };
+                let o = whoami(c, from, &hostport(dst, SRV));
+                assert!(
+                    o.ok && o.backend() == Some(*to),
+                    "{from} -> {to} ({dst}): {o:?}"
+                );
+                assert_eq!(seen(&o), Some(src), "{from} -> {to}: NAT on the way: {o:?}");
+                done += 1;
+            }
+        }
+    }
+    done
+}
+
+fn fast_path_counter(c: &Cluster, n: usize, which: &str) -> u64 {
+    metric_value(
+        &c.metrics(n),
+        &format!("ferry_pod_network_fast_path_{which}_packets_total"),
+        "",
+    )
+}
+
+#[test]
+fn the_fast_path_forwards_pod_traffic_past_the_nodes_forwarding_path() {
+    let mut c = pod_network_cluster("podnet-fast");
+    // Every pod's veth carries the program (new veths are picked up by a scan).
+    for n in 1..=NODES {
+        eventually(
+            &format!("node{n}'s fast path holds both pods' veths"),
+            Duration::from_secs(10),
+            || {
+                let m = c.metrics(n);
+                if metric_value(&m, "ferry_pod_network_fast_path_pods", "") == 2 {
+                    Ok(())
+                } else {
+                    Err(format!("{m}\n{}", c.agent_log(n)))
+                }
+            },
+        );
+    }
+    // Across nodes (n1a <-> n2a) and within one (n1a -> n1b).
+    let pairs = [("n1a", "n2a"), ("n2a", "n1a"), ("n1a", "n1b")];
+    let probed = ["n1a", "n1b", "n2a"];
+    // The first packets to a pod whose neighbour entry does not exist yet take the
+    // stack's path, which resolves it: one round first.
+    connect_pairs(&c, &pairs, 1);
+    let fwd_before = [
+        forwarded_packets(&c, 1, &probed),
+        forwarded_packets(&c, 2, &probed),
+    ];
+    let from_before = [
+        fast_path_counter(&c, 1, "from_pod"),
+        fast_path_counter(&c, 2, "from_pod"),
+    ];
+    let to_before = [
+        fast_path_counter(&c, 1, "to_pod"),
+        fast_path_counter(&c, 2, "to_pod"),
+    ];
+    let conns = connect_pairs(&c, &pairs, 3);
+    for n in [1, 2] {
+        let fwd = forwarded_packets(&c, n, &probed) - fwd_before[n - 1];
+        assert_eq!(
+            fwd, 0,
+            "node{n}'s forwarding path saw {fwd} pod packets with the fast path on"
+        );
+        // The metrics are refreshed every half second (the fast path's scan).
+        let (mut from, mut to) = (0, 0);
+        eventually(
+            &format!("node{n}'s fast path counts the connections' packets"),
+            Duration::from_secs(5),
+            || {
+                from = fast_path_counter(&c, n, "from_pod") - from_before[n - 1];
+                to = fast_path_counter(&c, n, "to_pod") - to_before[n - 1];
+                // Every connection is at least a SYN, its answer and the data each way.
+                if from >= conns as u64 && to >= conns as u64 / 3 {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{from} packets from pods, {to} to pods for {conns} connections"
+                    ))
+                }
+            },
+        );
+        eprintln!("node{n}: fast path {from} from pods, {to} to pods, forwarding path 0");
+    }
+
+    // Without the fast path (and with its programs gone) the same traffic takes the
+    // kernel's forwarding path, which the probe sees.
+    for n in [1, 2] {
+        c.stop_agent(n, libc::SIGTERM);
+        let mut args = c.pod_network_args(n);
+        args.push("--pod-network-fast-path=false".into());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        c.start_agent(n, &args);
+    }
+    for n in [1, 2] {
+        wait_restarted(&c, n);
+        assert!(
+            !c.metrics(n).contains("ferry_pod_network_fast_path"),
+            "node{n} reports a fast path it should not have"
+        );
+    }
+    let fwd_before = [
+        forwarded_packets(&c, 1, &probed),
+        forwarded_packets(&c, 2, &probed),
+    ];
+    let conns = connect_pairs(&c, &pairs, 1);
+    for n in [1, 2] {
+        let fwd = forwarded_packets(&c, n, &probed) - fwd_before[n - 1];
+        assert!(
+            fwd >= conns as u64,
+            "node{n}'s forwarding path saw only {fwd} pod packets for {conns} connections without the fast path"
         );
     }
 }
@@ -474,6 +636,25 @@ fn the_vxlan_overlay_carries_pods_of_every_node_and_follows_the_nodes() {
         assert!(sent >= 32, "node{n}'s VXLAN device sent {sent} packets");
     }
     eprintln!("vxlan: {checked} pod-to-pod connections, each with the pod's own address");
+    // The fast path serves the overlay too: into ferry.vxlan from the pods, and from it
+    // into the pods.
+    for n in 1..=NODES {
+        eventually(
+            &format!("node{n}'s fast path forwarded overlay traffic"),
+            Duration::from_secs(5),
+            || {
+                let (from, to) = (
+                    fast_path_counter(&c, n, "from_pod"),
+                    fast_path_counter(&c, n, "to_pod"),
+                );
+                if from >= 16 && to >= 16 {
+                    Ok(())
+                } else {
+                    Err(format!("{from} packets from pods, {to} to pods"))
+                }
+            },
+        );
+    }
 
     // node3 leaves: its FDB and neighbour entries and routes go on node 1.
     let fdb = |c: &Cluster| {

@@ -39,6 +39,10 @@ pub(crate) fn ebpf_object() -> PathBuf {
     workspace_root().join("target/bpf/ferry.bpf.o")
 }
 
+pub(crate) fn podnet_object() -> PathBuf {
+    workspace_root().join("target/bpf/ferry-podnet.bpf.o")
+}
+
 enum Toolchain {
     /// Debian's rustc-web with its library source (TOOLCHAIN.md).
     Debian,
@@ -107,12 +111,17 @@ pub(crate) fn ebpf() -> Result<()> {
         .arg("--config")
         .arg(bpf_rustflags(&root));
     run(&mut cmd, "building the eBPF object")?;
-    let built = target_dir.join("bpfel-unknown-none/release/ferry-ebpf");
-    let dest = ebpf_object();
-    std::fs::create_dir_all(dest.parent().unwrap())?;
-    std::fs::copy(&built, &dest)
-        .with_context(|| format!("copying {} to {}", built.display(), dest.display()))?;
-    println!("build-ebpf: {}", dest.display());
+    // Service routing's object and the pod network's fast path, each loaded on its own.
+    for (bin, dest) in [
+        ("ferry-ebpf", ebpf_object()),
+        ("ferry-podnet", podnet_object()),
+    ] {
+        let built = target_dir.join("bpfel-unknown-none/release").join(bin);
+        std::fs::create_dir_all(dest.parent().unwrap())?;
+        std::fs::copy(&built, &dest)
+            .with_context(|| format!("copying {} to {}", built.display(), dest.display()))?;
+        println!("build-ebpf: {}", dest.display());
+    }
     Ok(())
 }
 

@@ -8,13 +8,17 @@
 //! - masquerading of pod traffic to anything outside the cluster's pod CIDRs, the node
 //!   addresses and `--no-masquerade-cidrs` (one nft table per family, [`masq`]), unless
 //!   `--masquerade=false`;
-//! - IP forwarding on, for the families the node has pod CIDRs of.
+//! - IP forwarding on, for the families the node has pod CIDRs of;
+//! - the fast path ([`fastpath`], `--pod-network-fast-path`): pod-to-pod packets
+//!   forwarded at tc, past the node's forwarding path; new pods' veths get it within
+//!   [`POD_SCAN`].
 //!
 //! It runs on its own: fed the cluster's Nodes (from the API or the manifests
 //! directory), it reconciles on every change and every [`RESYNC`] (so that a route, file
 //! or rule someone deleted comes back), on a blocking thread. Problems are logged when they
 //! change, never per tick, and counted in /metrics.
 
+pub mod fastpath;
 pub mod install;
 pub mod masq;
 pub mod overlay;
@@ -32,6 +36,10 @@ use plan::{NodeLite, PodNetPlan};
 /// How often the node's routes, files and rules are checked again without a change
 /// (`--pod-network-resync`).
 pub const RESYNC: Duration = Duration::from_secs(30);
+
+/// How often the fast path looks for new pods' veths (a listing of the links; a pod's
+/// first packets take the kernel's path until then).
+pub const POD_SCAN: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Debug)]
 pub struct PodNetConfig {
@@ -54,6 +62,8 @@ pub struct PodNetConfig {
     pub report_ready: bool,
     /// How often everything is checked again without a change ([`RESYNC`]).
     pub resync: Duration,
+    /// Forward pod-to-pod packets at tc ([`fastpath`]).
+    pub fast_path: bool,
 }
 
 /// The cluster's Nodes as the pod network sees them, by name.
@@ -69,10 +79,17 @@ pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: S
     }
     let mut tick = tokio::time::interval(cfg.resync.max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut scan = tokio::time::interval(POD_SCAN);
+    scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             changed = nodes.changed() => if changed.is_err() { return },
             _ = tick.tick() => {}
+            _ = scan.tick() => {
+                state.scan_pods();
+                publish_fast_path(&state, &status);
+                continue;
+            }
         }
         let current = nodes.borrow_and_update().clone();
         let cfg2 = cfg.clone();
@@ -90,6 +107,7 @@ pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: S
                 continue;
             }
         }
+        publish_fast_path(&state, &status);
         let mut s = status.lock().expect("status lock");
         s.podnet_routes = Some(state.routes as u64);
         s.podnet_errors = state.reported.len() as u64;
@@ -98,6 +116,13 @@ pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: S
             s.last_updated = Some(std::time::SystemTime::now());
         }
     }
+}
+
+fn publish_fast_path(state: &State, status: &SharedStatus) {
+    let Some(fast) = &state.fast else { return };
+    let c = fast.counters();
+    status.lock().expect("status lock").podnet_fast_path =
+        Some((fast.pods() as u64, c.from_pod, c.to_pod));
 }
 
 /// What the last reconcile did and reported, to log only changes. Nothing here saves
@@ -109,6 +134,10 @@ struct State {
     routes: usize,
     /// The problems logged (node problems and failed steps), to log each only once.
     reported: std::collections::BTreeSet<String>,
+    /// The fast path, once loaded.
+    fast: Option<fastpath::FastPath>,
+    /// The fast path's problems with pods' veths, logged once each.
+    scan_reported: std::collections::BTreeSet<String>,
 }
 
 impl State {
@@ -155,6 +184,9 @@ impl State {
             Err(e) => problems.push(format!("netlink socket: {e}")),
         }
         self.routes = plan.routes.len();
+        if cfg.fast_path {
+            self.fast_path(cfg, nodes, &plan, &mut problems);
+        }
         // Applied every time (one nft transaction: the table is replaced whole, and NAT
         // already decided for existing connections stays in conntrack), so that a table
         // someone removed comes back; logged only when it changes.
@@ -179,6 +211,55 @@ impl State {
             info!("pod network: every problem reported before is gone");
         }
         self.reported = now;
+    }
+
+    /// Loads the fast path once, then keeps its pod CIDRs and uplinks in line with the
+    /// plan. Pod veths are the scan's ([`Self::scan_pods`]).
+    fn fast_path(
+        &mut self,
+        cfg: &PodNetConfig,
+        nodes: &BTreeMap<String, NodeLite>,
+        plan: &PodNetPlan,
+        problems: &mut Vec<String>,
+    ) {
+        if self.fast.is_none() {
+            match fastpath::FastPath::load() {
+                Ok(f) => {
+                    info!("pod network: fast path loaded");
+                    self.fast = Some(f);
+                }
+                Err(e) => {
+                    problems.push(format!(
+                        "fast path not loaded (pod traffic takes the kernel's path): {e}"
+                    ));
+                    return;
+                }
+            }
+        }
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let others: Vec<Cidr> = plan.routes.iter().map(|r| r.dst).collect();
+        fast.set_destinations(&plan.own_cidrs, &others, problems);
+        let own_ips = nodes
+            .get(&cfg.node_name)
+            .map(|n| n.internal_ips.clone())
+            .unwrap_or_default();
+        let vxlan = plan.vxlan.as_ref().map(|_| plan::VXLAN_DEVICE);
+        fast.set_uplinks(&fastpath::uplinks(&own_ips, vxlan), problems);
+        problems.extend(fast.scan_pods());
+    }
+
+    /// Attaches the fast path to new pods' veths; problems are logged once each.
+    fn scan_pods(&mut self) {
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let now: std::collections::BTreeSet<String> = fast.scan_pods().into_iter().collect();
+        for p in now.difference(&self.scan_reported) {
+            warn!("pod network: {p}");
+        }
+        self.scan_reported = now;
     }
 
     fn install_plugin(&mut self, cfg: &PodNetConfig, problems: &mut Vec<String>) {
