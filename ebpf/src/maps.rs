@@ -116,7 +116,50 @@ pub(crate) struct Scratch {
     /// What `fib` holds for the packet in flight: `ROUTE_*` (tc module).
     pub(crate) route: u32,
     pub(crate) quote: [u8; ICMP_QUOTE_MAX],
+    /// Fragment tracking (tc `frag` module).
+    pub(crate) fkey: FragKey,
+    pub(crate) fval: FragValue,
 }
 
 #[map(name = "FERRY_TC_SCRATCH")]
 pub(crate) static SCRATCH: PerCpuArray<Scratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// A datagram's fragments as they arrive (tc path, `frag` module): source, destination,
+/// IP identification (IPv6: fragment identification), protocol and the program that saw
+/// it, so that an egress entry never serves ingress.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct FragKey {
+    /// Network byte order (IPv4 mapped).
+    pub(crate) saddr: Addr,
+    /// Network byte order (IPv4 mapped).
+    pub(crate) daddr: Addr,
+    /// As on the wire (IPv4: 16 bits in the low half of the memory order).
+    pub(crate) id: u32,
+    pub(crate) proto: u8,
+    /// `FRAG_DIR_*` (tc `frag` module).
+    pub(crate) dir: u8,
+    pub(crate) _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<FragKey>() == 40);
+
+/// What the first fragment of a datagram was translated to; its later fragments get the
+/// same addresses (they carry no ports).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct FragValue {
+    /// Network byte order (IPv4 mapped).
+    pub(crate) saddr: Addr,
+    /// Network byte order (IPv4 mapped).
+    pub(crate) daddr: Addr,
+    /// 1 when the program forwards the datagram itself (FIB lookup and redirect).
+    pub(crate) forward: u8,
+    pub(crate) _pad: [u8; 7],
+}
+const _: () = assert!(core::mem::size_of::<FragValue>() == 40);
+
+/// Translations of fragmented datagrams, written by a first fragment and read by the
+/// later ones. Small and LRU: an entry is needed for the few milliseconds in which a
+/// datagram's fragments pass. Not pinned: a restart only loses datagrams in flight.
+#[map(name = "FERRY_TC_FRAGS")]
+pub(crate) static FRAGS: LruHashMap<FragKey, FragValue> = LruHashMap::with_max_entries(8192, 0);

@@ -4,21 +4,40 @@
 
 use aya_ebpf::{
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_REDIRECT, bpf_fib_lookup,
-        bpf_redir_neigh,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        TC_ACT_REDIRECT, bpf_fib_lookup, bpf_redir_neigh,
     },
     helpers::{bpf_fib_lookup as fib_lookup_helper, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
-use ferry_common::Addr;
+use ferry_common::{Addr, metrics::COUNT_FIB_FAIL};
+
+use crate::maps::count;
+
+const SHOT: i32 = aya_ebpf::bindings::TC_ACT_SHOT as i32;
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 
+/// What a [`lookup`] found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// A route, neighbour known (`smac`/`dmac` valid); `params.ifindex` is the egress
+    /// device.
+    Resolved,
+    /// A route, neighbour to be resolved by the kernel; `params.ifindex` as above.
+    Unresolved,
+    /// The packet is larger than the route's MTU (given). With `tot_len` 0 (the skb's
+    /// length checked against the device MTU) `params` still holds the route.
+    TooBig(u16),
+    /// No route (or forwarding is off).
+    Fail,
+}
+
 /// Looks up the route of a packet from `saddr` to `daddr` as if forwarded from device
-/// `iif` (the device the packet arrived on), into `params`. `Some(resolved)`: a route;
-/// `resolved` says whether the neighbour is known (`smac`/`dmac` valid) or the kernel
-/// has to resolve it. `params.ifindex` is then the egress device.
+/// `iif` (the device the packet arrived on), into `params`. `tot_len` is the IP length
+/// to check against the route's MTU (route and path MTU included), or 0 to check the
+/// skb against the egress device's MTU (neighbour resolved only).
 #[inline(always)]
 pub(crate) fn lookup(
     ctx: &TcContext,
@@ -27,7 +46,8 @@ pub(crate) fn lookup(
     saddr: &Addr,
     daddr: &Addr,
     iif: u32,
-) -> Option<bool> {
+    tot_len: u16,
+) -> Route {
     // SAFETY: plain C struct, all-zero is a valid value.
     *params = unsafe { core::mem::zeroed() };
     params.ifindex = iif;
@@ -40,8 +60,8 @@ pub(crate) fn lookup(
         params.__bindgen_anon_3.ipv4_src = saddr[3];
         params.__bindgen_anon_4.ipv4_dst = daddr[3];
     }
-    // Flags 0: a forwarding lookup from `iif`. tot_len 0: the kernel checks the skb's
-    // own length against the egress MTU.
+    params.__bindgen_anon_1.tot_len = tot_len;
+    // Flags 0: a forwarding lookup from `iif`.
     // SAFETY: params is a valid, writable bpf_fib_lookup of the size passed.
     let rc = unsafe {
         fib_lookup_helper(
@@ -52,9 +72,13 @@ pub(crate) fn lookup(
         )
     };
     match rc as u32 {
-        BPF_FIB_LKUP_RET_SUCCESS => Some(true),
-        BPF_FIB_LKUP_RET_NO_NEIGH => Some(false),
-        _ => None,
+        BPF_FIB_LKUP_RET_SUCCESS => Route::Resolved,
+        BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved,
+        // SAFETY: the helper wrote the MTU into the union.
+        BPF_FIB_LKUP_RET_FRAG_NEEDED => {
+            Route::TooBig(unsafe { params.__bindgen_anon_1.mtu_result })
+        }
+        _ => Route::Fail,
     }
 }
 
@@ -95,4 +119,35 @@ pub(crate) fn redirect(ctx: &TcContext, params: &bpf_fib_lookup, resolved: bool)
         )
     };
     (rc == TC_ACT_REDIRECT as i64).then_some(rc as i32)
+}
+
+/// Forwards the packet (now `saddr` -> `daddr`) as if it came in on its ingress device:
+/// [`lookup`] (the device's MTU only) and [`redirect`]. No route, too big or no redirect:
+/// `TC_ACT_SHOT`, counted as `fib_lookup_failed`.
+#[inline(always)]
+pub(crate) fn send(
+    ctx: &TcContext,
+    params: &mut bpf_fib_lookup,
+    v6: bool,
+    saddr: &Addr,
+    daddr: &Addr,
+) -> i32 {
+    // SAFETY: valid tc context.
+    let iif = unsafe { (*ctx.skb.skb).ifindex };
+    let resolved = match lookup(ctx, params, v6, saddr, daddr, iif, 0) {
+        Route::Resolved => true,
+        Route::Unresolved => false,
+        Route::TooBig(_) | Route::Fail => {
+            count(COUNT_FIB_FAIL);
+            return SHOT;
+        }
+    };
+    // A match, not a closure: a closure would be a call frame of its own.
+    match redirect(ctx, params, resolved) {
+        Some(v) => v,
+        None => {
+            count(COUNT_FIB_FAIL);
+            SHOT
+        }
+    }
 }

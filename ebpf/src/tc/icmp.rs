@@ -1,5 +1,7 @@
-//! ICMP / ICMPv6 port unreachable, built in place from the refused packet and sent back
-//! out of the device it came in on, so that the client sees "connection refused".
+//! ICMP / ICMPv6 errors that ferry sends itself, built in place from the packet they are
+//! about and sent back out of the device it came in on: port unreachable (the client
+//! sees "connection refused") and fragmentation needed / packet too big (path-MTU
+//! discovery through a NodePort whose backend side has a smaller MTU).
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT,
@@ -16,8 +18,10 @@ const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_ICMPV6: u8 = 58;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
+const ICMPV6_PKT_TOOBIG: u8 = 2;
 /// IPv4 TOS of ICMP errors (precedence "internetwork control"), as Linux sends them.
 const IPTOS_PREC_INTERNETCONTROL: u8 = 0xc0;
 const TTL: u8 = 64;
@@ -30,7 +34,8 @@ struct IcmpHdr {
     ty: u8,
     code: u8,
     csum: u16,
-    /// Unused for "unreachable" (must be zero).
+    /// Zero for "unreachable"; the next-hop MTU (network byte order, in the low 16 bits
+    /// for IPv4) for "fragmentation needed" / "packet too big".
     rest: u32,
 }
 
@@ -81,7 +86,24 @@ fn sum(ptr: *const u8, len: u32, seed: i64) -> i64 {
 /// the ingress device. Returns the tc verdict (`TC_ACT_SHOT` if it could not be built).
 #[inline(never)]
 pub(crate) fn port_unreachable(ctx: &TcContext, pkt: &Pkt) -> i32 {
-    match build(ctx, pkt) {
+    send(ctx, pkt, 0)
+}
+
+/// Replaces the packet with a "fragmentation needed" (IPv4, DF set) / "packet too big"
+/// (IPv6) carrying `mtu`, from the address the client sent to, as a router on the path
+/// would, and redirects it out of the ingress device.
+#[inline(never)]
+pub(crate) fn too_big(ctx: &TcContext, pkt: &Pkt, mtu: u16) -> i32 {
+    // The route's MTU can be 0 only if the lookup failed oddly; never advertise less
+    // than the minimum of the family.
+    let min = if pkt.v6 { 1280 } else { 576 };
+    send(ctx, pkt, if mtu < min { min } else { mtu } as u32)
+}
+
+/// `mtu` 0: port unreachable; otherwise too big with that MTU.
+#[inline(always)]
+fn send(ctx: &TcContext, pkt: &Pkt, mtu: u32) -> i32 {
+    match build(ctx, pkt, mtu) {
         Some(()) => {
             // SAFETY: valid tc context.
             let ifindex = unsafe { (*ctx.skb.skb).ifindex };
@@ -93,7 +115,7 @@ pub(crate) fn port_unreachable(ctx: &TcContext, pkt: &Pkt) -> i32 {
 }
 
 #[inline(always)]
-fn build(ctx: &TcContext, pkt: &Pkt) -> Option<()> {
+fn build(ctx: &TcContext, pkt: &Pkt, mtu: u32) -> Option<()> {
     let scratch = SCRATCH.get_ptr_mut(0)?;
     // SAFETY: per-CPU map value, used by this program run only.
     let quote = unsafe { (*scratch).quote.as_mut_ptr() };
@@ -159,11 +181,20 @@ fn build(ctx: &TcContext, pkt: &Pkt) -> Option<()> {
                 saddr: pkt.daddr,
                 daddr: pkt.saddr,
             },
-            icmp: IcmpHdr {
-                ty: ICMPV6_DEST_UNREACH,
-                code: ICMPV6_PORT_UNREACH,
-                csum: 0,
-                rest: 0,
+            icmp: if mtu == 0 {
+                IcmpHdr {
+                    ty: ICMPV6_DEST_UNREACH,
+                    code: ICMPV6_PORT_UNREACH,
+                    csum: 0,
+                    rest: 0,
+                }
+            } else {
+                IcmpHdr {
+                    ty: ICMPV6_PKT_TOOBIG,
+                    code: 0,
+                    csum: 0,
+                    rest: mtu.to_be(),
+                }
             },
         };
         let pseudo = Pseudo6 {
@@ -196,9 +227,13 @@ fn build(ctx: &TcContext, pkt: &Pkt) -> Option<()> {
             },
             icmp: IcmpHdr {
                 ty: ICMP_DEST_UNREACH,
-                code: ICMP_PORT_UNREACH,
+                code: if mtu == 0 {
+                    ICMP_PORT_UNREACH
+                } else {
+                    ICMP_FRAG_NEEDED
+                },
                 csum: 0,
-                rest: 0,
+                rest: mtu.to_be(),
             },
         };
         let s = sum(&h.ip as *const _ as *const u8, 20, 0);

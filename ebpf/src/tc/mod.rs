@@ -3,11 +3,14 @@
 //!
 //! Ingress: replies to source-NATed flows, known flows, then new flows (frontend lookup,
 //! Maglev, optional source NAT). Egress: replies of local endpoints get their frontend
-//! back as source. One concern per module: `parse`, `ct`, `nat`, `fib`, `icmp`.
+//! back as source. One concern per module: `parse`, `ct`, `nat`, `fib`, `icmp` (errors
+//! ferry sends), `icmp_err` (errors about translated flows), `frag` (later fragments).
 
 mod ct;
 mod fib;
+mod frag;
 mod icmp;
+mod icmp_err;
 mod nat;
 mod parse;
 
@@ -46,8 +49,10 @@ use crate::maps::{
     count, count_service,
 };
 use ct::{fresh, touch};
+use fib::Route;
+use frag::{FRAG_DIR_EGRESS, FRAG_DIR_INGRESS};
 use nat::{Side, rewrite};
-use parse::{Pkt, parse};
+use parse::{FRAG_FIRST, Pkt, parse};
 
 const OK: i32 = TC_ACT_OK as i32;
 const SHOT: i32 = TC_ACT_SHOT as i32;
@@ -72,7 +77,7 @@ const SNAT_RANGE: u32 = (SNAT_PORT_MAX - SNAT_PORT_MIN) as u32 + 1;
 #[inline(always)]
 pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     let Some(pkt) = parse(ctx) else {
-        return OK;
+        return not_a_flow(ctx, FRAG_DIR_INGRESS);
     };
     let Some(s) = SCRATCH.get_ptr_mut(0) else {
         return OK;
@@ -122,9 +127,17 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
 /// `ferry_tc_egress`: a local endpoint's reply leaves with the frontend as source.
 #[inline(always)]
 pub(crate) fn egress(ctx: &TcContext) -> i32 {
-    let Some(pkt) = parse(ctx) else {
-        return OK;
-    };
+    match parse(ctx) {
+        Some(pkt) => egress_flow(ctx, &pkt),
+        None => not_a_flow(ctx, FRAG_DIR_EGRESS),
+    }
+}
+
+/// Egress of a TCP/UDP packet. A call of its own, so that the entry point's stack stays
+/// small for the ICMP path.
+#[inline(never)]
+fn egress_flow(ctx: &TcContext, pkt: &Pkt) -> i32 {
+    let pkt = *pkt;
     let rkey = ct::pkt_key(&pkt, CT_DIR_REPLY);
     // SAFETY: plain data read; the copy is taken at once.
     let r = match unsafe { CT.get(&rkey) } {
@@ -142,7 +155,36 @@ pub(crate) fn egress(ctx: &TcContext) -> i32 {
     {
         return SHOT;
     }
+    if pkt.frag == FRAG_FIRST {
+        frag::remember(&pkt, FRAG_DIR_EGRESS, &r.nat_addr, &pkt.daddr, false);
+    }
     OK
+}
+
+/// A packet [`parse`] does not take as a flow packet: an ICMP error about a translated
+/// flow, a later fragment of a translated datagram, or something to pass. Only ICMP and
+/// fragments get past the first header read.
+#[inline(never)]
+fn not_a_flow(ctx: &TcContext, dir: u8) -> i32 {
+    match icmp_err::classify(ctx) {
+        icmp_err::Kind::IcmpError => icmp_err::translate(ctx, dir == FRAG_DIR_INGRESS),
+        icmp_err::Kind::Fragment => frag::follow(ctx, dir),
+        icmp_err::Kind::Other => OK,
+    }
+}
+
+/// The length the FIB lookup checks against the route's MTU: the packet's, or for a
+/// GSO packet (segmented later) the length of one segment.
+#[inline(always)]
+fn wire_len(ctx: &TcContext, pkt: &Pkt) -> u16 {
+    // SAFETY: valid tc context.
+    let gso = unsafe { (*ctx.skb.skb).gso_size };
+    let len = if gso != 0 {
+        pkt.ip_hlen + pkt.l4_hlen + gso
+    } else {
+        pkt.ip_len
+    };
+    if len > 0xffff { 0xffff } else { len as u16 }
 }
 
 /// Refreshes a flow's original entry from a packet in the reply direction.
@@ -167,33 +209,61 @@ fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32
     {
         return SHOT;
     }
-    let iif = ingress_ifindex(ctx);
-    let Some(resolved) = fib::lookup(
+    if pkt.frag == FRAG_FIRST {
+        frag::remember(
+            pkt,
+            FRAG_DIR_INGRESS,
+            &s.reply.nat_addr,
+            &s.reply.snat_addr,
+            true,
+        );
+    }
+    // Too big for the client's side: dropped and counted (no PMTU error towards the
+    // backend).
+    fib::send(
         ctx,
         &mut s.fib,
         pkt.v6,
         &s.reply.nat_addr,
         &s.reply.snat_addr,
-        iif,
-    ) else {
-        count(COUNT_FIB_FAIL);
-        return SHOT;
-    };
-    match fib::redirect(ctx, &s.fib, resolved) {
-        Some(v) => v,
-        None => {
-            count(COUNT_FIB_FAIL);
-            SHOT
-        }
-    }
+    )
 }
 
 /// Translates a packet of a flow as its original entry (`s.entry`) says and sends it on.
 /// `s.route` says whether `s.fib` already holds the route (new source-NATed flows).
 #[inline(never)]
 fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
+    let snat = s.entry.flags & CT_F_SNAT != 0;
+    if snat && s.route == ROUTE_NONE {
+        // The route before the rewrite: a packet too big for it is answered with the
+        // client's packet as it is (the quote must be what the client sent).
+        let iif = ingress_ifindex(ctx);
+        s.route = match fib::lookup(
+            ctx,
+            &mut s.fib,
+            pkt.v6,
+            &s.entry.snat_addr,
+            &s.entry.nat_addr,
+            iif,
+            wire_len(ctx, pkt),
+        ) {
+            Route::Resolved => ROUTE_RESOLVED,
+            Route::Unresolved => ROUTE_UNRESOLVED,
+            Route::TooBig(mtu) => {
+                if pkt.df {
+                    return icmp::too_big(ctx, pkt, mtu);
+                }
+                // IPv4 without DF would be fragmented by the kernel; ferry cannot.
+                count(COUNT_FIB_FAIL);
+                return SHOT;
+            }
+            Route::Fail => {
+                count(COUNT_FIB_FAIL);
+                return SHOT;
+            }
+        };
+    }
     let e = &s.entry;
-    let snat = e.flags & CT_F_SNAT != 0;
     let (saddr, sport) = if snat {
         (&e.snat_addr, e.snat_port)
     } else {
@@ -201,6 +271,9 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
     };
     if rewrite(ctx, pkt, saddr, sport, &e.nat_addr, e.nat_port).is_err() {
         return SHOT;
+    }
+    if pkt.frag == FRAG_FIRST {
+        frag::remember(pkt, FRAG_DIR_INGRESS, saddr, &e.nat_addr, snat);
     }
     if !snat {
         // The client's own address is the source: the stack routes it to the endpoint
@@ -210,28 +283,7 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
     if nat::dec_ttl(ctx, pkt).is_err() {
         return SHOT;
     }
-    let resolved = match s.route {
-        ROUTE_RESOLVED => true,
-        ROUTE_UNRESOLVED => false,
-        _ => {
-            let iif = ingress_ifindex(ctx);
-            match fib::lookup(
-                ctx,
-                &mut s.fib,
-                pkt.v6,
-                &s.entry.snat_addr,
-                &s.entry.nat_addr,
-                iif,
-            ) {
-                Some(r) => r,
-                None => {
-                    count(COUNT_FIB_FAIL);
-                    return SHOT;
-                }
-            }
-        }
-    };
-    match fib::redirect(ctx, &s.fib, resolved) {
+    match fib::redirect(ctx, &s.fib, s.route == ROUTE_RESOLVED) {
         Some(v) => v,
         None => {
             count(COUNT_FIB_FAIL);
@@ -326,7 +378,7 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
             b
         }
         None => {
-            let Some((backend_id, backend)) = maglev_backend(ctx, &svc, hash) else {
+            let Some((backend_id, backend)) = maglev_backend(&svc, hash) else {
                 return OK;
             };
             if affinity {
@@ -391,10 +443,11 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     if snat {
         // Where does the backend live? The egress device decides the SNAT address.
         let iif = ingress_ifindex(ctx);
-        let Some(r) = fib::lookup(ctx, &mut s.fib, pkt.v6, &pkt.saddr, &backend.addr, iif) else {
+        let route = fib::lookup(ctx, &mut s.fib, pkt.v6, &pkt.saddr, &backend.addr, iif, 0);
+        if route == Route::Fail {
             count(COUNT_FIB_FAIL);
             return SHOT;
-        };
+        }
         let akey = SnatAddrKey {
             ifindex: s.fib.ifindex,
             family: if pkt.v6 { FAMILY_V6 } else { FAMILY_V4 },
@@ -417,7 +470,13 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
             return SHOT;
         };
         s.entry.snat_port = port;
-        s.route = if r { ROUTE_RESOLVED } else { ROUTE_UNRESOLVED };
+        // Too big for the device (the lookup still found it): `forward` looks again
+        // with the packet's length and answers with the MTU.
+        s.route = match route {
+            Route::Resolved => ROUTE_RESOLVED,
+            Route::Unresolved => ROUTE_UNRESOLVED,
+            _ => ROUTE_NONE,
+        };
     } else if CT.insert(&s.rkey, &s.reply, 0).is_err() {
         count(COUNT_CT_FULL);
         return SHOT;
@@ -448,14 +507,12 @@ fn pinned_backend(s: &mut Scratch, svc: &ServiceValue, now: u64) -> Option<(u32,
 /// Maglev's backend for a flow hash: the entry depends on the packet only, so every
 /// node and agent generation picks the same one.
 #[inline(always)]
-fn maglev_backend(ctx: &TcContext, svc: &ServiceValue, hash: u32) -> Option<(u32, Backend)> {
+fn maglev_backend(svc: &ServiceValue, hash: u32) -> Option<(u32, Backend)> {
     // SAFETY: plain data read.
+    // Misses are counted, not logged: aya-log's closures would be call frames of their
+    // own below `new_flow`, and that chain is at the 512-byte stack limit.
     let Some(table) = (unsafe { MAGLEV.get(&svc.svc_id) }) else {
         count(COUNT_BACKEND_MISSING);
-        warn!(
-            ctx,
-            "ferry tc: service id {} has no Maglev table", svc.svc_id
-        );
         return None;
     };
     // The compiler turns `%` into a multiply the verifier cannot bound: hide the value's
@@ -468,10 +525,6 @@ fn maglev_backend(ctx: &TcContext, svc: &ServiceValue, hash: u32) -> Option<(u32
         Some(b) => Some((backend_id, *b)),
         None => {
             count(COUNT_BACKEND_MISSING);
-            warn!(
-                ctx,
-                "ferry tc: service id {} backend {} missing", svc.svc_id, backend_id
-            );
             None
         }
     }

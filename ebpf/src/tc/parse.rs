@@ -1,6 +1,7 @@
-//! Header parsing: Ethernet, IPv4 (any IHL) or IPv6 (no extension headers), TCP or UDP.
-//! Everything else (other ethertypes, fragments, other protocols) is not a flow the tc
-//! path handles and passes untouched.
+//! Header parsing: Ethernet, IPv4 (any IHL) or IPv6 (no extension headers but a fragment
+//! header), TCP or UDP. A first fragment is a flow packet with [`Pkt::frag`] set; later
+//! fragments (no ports), ICMP and everything else are not: `frag` and `icmp_err` look at
+//! those when [`parse`] says `None`.
 
 use aya_ebpf::programs::TcContext;
 use ferry_common::{
@@ -10,10 +11,23 @@ use ferry_common::{
 
 /// Ethernet header length; the IP header starts here.
 pub(crate) const ETH_HLEN: u32 = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-/// Fragment offset and More Fragments bits of the IPv4 `frag_off` field.
-const IP_FRAG_MASK: u16 = 0x3fff;
+pub(crate) const ETH_P_IP: u16 = 0x0800;
+pub(crate) const ETH_P_IPV6: u16 = 0x86dd;
+/// Fragment offset bits of the IPv4 `frag_off` field (host order).
+pub(crate) const IP_OFFSET: u16 = 0x1fff;
+/// More Fragments bit of the IPv4 `frag_off` field (host order).
+pub(crate) const IP_MF: u16 = 0x2000;
+/// Don't Fragment bit of the IPv4 `frag_off` field (host order).
+pub(crate) const IP_DF: u16 = 0x4000;
+/// IPv6 next header: fragment header.
+pub(crate) const NEXTHDR_FRAGMENT: u8 = 44;
+/// Offset of the IPv6 fragment header (no other extension header before it).
+pub(crate) const V6_FRAG_OFF: u32 = ETH_HLEN + 40;
+
+/// [`Pkt::frag`]: not a fragment.
+pub(crate) const FRAG_NONE: u8 = 0;
+/// [`Pkt::frag`]: the first fragment of a datagram (it carries the ports).
+pub(crate) const FRAG_FIRST: u8 = 1;
 
 pub(crate) const TCP_FIN: u8 = 0x01;
 pub(crate) const TCP_SYN: u8 = 0x02;
@@ -46,6 +60,18 @@ pub(crate) struct Ipv6Hdr {
     pub(crate) daddr: Addr,
 }
 
+/// IPv6 fragment header (RFC 8200 §4.5).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct FragHdr {
+    pub(crate) nexthdr: u8,
+    pub(crate) _reserved: u8,
+    /// Offset (13 bits, in 8-byte units) and M flag (bit 0), network byte order.
+    pub(crate) off_m: u16,
+    /// Identification, network byte order.
+    pub(crate) id: u32,
+}
+
 /// The first 14 bytes of a TCP header (through the flags); a UDP header is 8.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -54,7 +80,7 @@ struct L4Head {
     dport: u16,
     _seq_or_len_csum: u32,
     _ack: u32,
-    _doff: u8,
+    doff: u8,
     flags: u8,
 }
 
@@ -66,8 +92,16 @@ pub(crate) struct Pkt {
     pub(crate) proto: u8,
     /// TCP flags (0 for UDP).
     pub(crate) tcp_flags: u8,
-    /// IPv4 header length (IHL * 4) or 40.
+    /// IPv4 header length (IHL * 4), or 40 (48 with a fragment header).
     pub(crate) ip_hlen: u32,
+    /// TCP header length (data offset * 4), 8 for UDP.
+    pub(crate) l4_hlen: u32,
+    /// IPv4: Don't Fragment is set. IPv6: always (routers never fragment).
+    pub(crate) df: bool,
+    /// `FRAG_NONE` or `FRAG_FIRST`.
+    pub(crate) frag: u8,
+    /// IPv4 identification or IPv6 fragment identification, as on the wire (fragments).
+    pub(crate) frag_id: u32,
     /// IP packet length (header included), from the IP header.
     pub(crate) ip_len: u32,
     /// IPv4 TTL or IPv6 hop limit.
@@ -107,7 +141,9 @@ pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
         ETH_P_IP => {
             let ip: Ipv4Hdr = ctx.load(ETH_HLEN as usize).ok()?;
             let ihl = (ip.ver_ihl & 0x0f) as u32;
-            if ip.ver_ihl >> 4 != 4 || ihl < 5 || u16::from_be(ip.frag_off) & IP_FRAG_MASK != 0 {
+            let frag_off = u16::from_be(ip.frag_off);
+            // A later fragment has no ports: `frag` follows it.
+            if ip.ver_ihl >> 4 != 4 || ihl < 5 || frag_off & IP_OFFSET != 0 {
                 return None;
             }
             Pkt {
@@ -115,6 +151,14 @@ pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
                 proto: ip.proto,
                 tcp_flags: 0,
                 ip_hlen: ihl * 4,
+                l4_hlen: 8,
+                df: frag_off & IP_DF != 0,
+                frag: if frag_off & IP_MF != 0 {
+                    FRAG_FIRST
+                } else {
+                    FRAG_NONE
+                },
+                frag_id: ip.id as u32,
                 ip_len: u16::from_be(ip.tot_len) as u32,
                 ttl: ip.ttl,
                 saddr: addr_from_v4_be(ip.saddr),
@@ -128,19 +172,39 @@ pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
             if u32::from_be(ip.ver_tc_flow) >> 28 != 6 {
                 return None;
             }
-            // Extension headers (fragments included) are not parsed: such packets pass.
-            Pkt {
+            // Other extension headers are not parsed: such packets pass.
+            let mut pkt = Pkt {
                 v6: true,
                 proto: ip.nexthdr,
                 tcp_flags: 0,
                 ip_hlen: 40,
+                l4_hlen: 8,
+                df: true,
+                frag: FRAG_NONE,
+                frag_id: 0,
                 ip_len: 40 + u16::from_be(ip.payload_len) as u32,
                 ttl: ip.hop_limit,
                 saddr: ip.saddr,
                 daddr: ip.daddr,
                 sport: 0,
                 dport: 0,
+            };
+            if pkt.proto == NEXTHDR_FRAGMENT {
+                let fh: FragHdr = ctx.load(V6_FRAG_OFF as usize).ok()?;
+                let off_m = u16::from_be(fh.off_m);
+                if off_m >> 3 != 0 {
+                    return None;
+                }
+                pkt.proto = fh.nexthdr;
+                pkt.ip_hlen = 48;
+                pkt.frag = if off_m & 1 != 0 {
+                    FRAG_FIRST
+                } else {
+                    FRAG_NONE
+                };
+                pkt.frag_id = fh.id;
             }
+            pkt
         }
         _ => return None,
     };
@@ -150,6 +214,7 @@ pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
             pkt.sport = l4.sport;
             pkt.dport = l4.dport;
             pkt.tcp_flags = l4.flags;
+            pkt.l4_hlen = ((l4.doff >> 4) as u32) * 4;
         }
         PROTO_UDP => {
             let ports: [u16; 2] = ctx.load(pkt.l4_off() as usize).ok()?;
