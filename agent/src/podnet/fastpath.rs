@@ -23,7 +23,9 @@ use aya::{
         tc::{SchedClassifierLink, TcAttachOptions},
     },
 };
-use ferry_common::podnet::{DEST_LOCAL, DEST_REMOTE, PODNET_FROM_POD, PODNET_TO_POD};
+use ferry_common::podnet::{
+    DEST_LOCAL, DEST_REMOTE, PODNET_FROM_POD, PODNET_TO_POD, PodnetConfig, PodnetDest,
+};
 use tracing::info;
 
 use crate::{model::Cidr, node};
@@ -35,6 +37,7 @@ const TO_POD: &str = "ferry_podnet_to_pod";
 const DEST4: &str = "FERRY_PODNET_DEST4";
 const DEST6: &str = "FERRY_PODNET_DEST6";
 const VETHS: &str = "FERRY_PODNET_VETHS";
+const CONFIG: &str = "FERRY_PODNET_CONFIG";
 const COUNTERS: &str = "FERRY_PODNET_COUNTERS";
 
 /// Packets the fast path forwarded since the programs were loaded.
@@ -51,7 +54,9 @@ pub struct FastPath {
     /// `ferry_podnet_to_pod` on the uplinks and the VXLAN device, by name (with ifindex).
     uplinks: BTreeMap<String, (u32, SchedClassifierLink)>,
     /// What the destination tries hold.
-    dest: BTreeMap<Cidr, u32>,
+    dest: BTreeMap<Cidr, PodnetDest>,
+    /// What `FERRY_PODNET_CONFIG` holds.
+    config: Option<PodnetConfig>,
 }
 
 impl FastPath {
@@ -74,19 +79,47 @@ impl FastPath {
             veths: HashMap::new(),
             uplinks: BTreeMap::new(),
             dest: BTreeMap::new(),
+            config: None,
         })
     }
 
-    /// The pod CIDRs: this node's, then the other nodes'. Entries no longer wanted go.
-    pub fn set_destinations(&mut self, own: &[Cidr], others: &[Cidr], problems: &mut Vec<String>) {
-        let mut want: BTreeMap<Cidr, u32> = others.iter().map(|c| (*c, DEST_REMOTE)).collect();
-        want.extend(own.iter().map(|c| (*c, DEST_LOCAL)));
+    /// The pod CIDRs: this node's, and the other nodes' (each with its node's IPv4
+    /// underlay address when the fast path encapsulates to it). Entries no longer wanted
+    /// go.
+    pub fn set_destinations(
+        &mut self,
+        own: &[Cidr],
+        others: &[(Cidr, Option<std::net::Ipv4Addr>)],
+        problems: &mut Vec<String>,
+    ) {
+        let mut want: BTreeMap<Cidr, PodnetDest> = others
+            .iter()
+            .map(|(c, tunnel)| {
+                let tunnel_v4 = tunnel.map_or(0, |a| u32::from_ne_bytes(a.octets()));
+                (
+                    *c,
+                    PodnetDest {
+                        kind: DEST_REMOTE,
+                        tunnel_v4,
+                    },
+                )
+            })
+            .collect();
+        want.extend(own.iter().map(|c| {
+            (
+                *c,
+                PodnetDest {
+                    kind: DEST_LOCAL,
+                    tunnel_v4: 0,
+                },
+            )
+        }));
         if want == self.dest {
             return;
         }
-        for (cidr, kind) in &want {
-            if self.dest.get(cidr) != Some(kind) {
-                if let Err(e) = self.write_dest(cidr, Some(*kind)) {
+        for (cidr, dest) in &want {
+            if self.dest.get(cidr) != Some(dest) {
+                if let Err(e) = write_dest(&mut self.ebpf, cidr, Some(*dest)) {
                     problems.push(format!("fast path: adding {cidr}: {e}"));
                 }
             }
@@ -99,8 +132,23 @@ impl FastPath {
         self.dest = want;
     }
 
-    fn write_dest(&mut self, cidr: &Cidr, kind: Option<u32>) -> Result<(), String> {
-        write_dest(&mut self.ebpf, cidr, kind)
+    /// The overlay's parameters (all zero without an overlay over IPv4).
+    pub fn set_config(&mut self, config: PodnetConfig, problems: &mut Vec<String>) {
+        if self.config == Some(config) {
+            return;
+        }
+        let result = self
+            .ebpf
+            .map_mut(CONFIG)
+            .ok_or_else(|| format!("no map {CONFIG}"))
+            .and_then(|m| {
+                aya::maps::Array::<_, PodnetConfig>::try_from(m).map_err(|e| e.to_string())
+            })
+            .and_then(|mut a| a.set(0, config, 0).map_err(|e| e.to_string()));
+        match result {
+            Ok(()) => self.config = Some(config),
+            Err(e) => problems.push(format!("fast path: writing its configuration: {e}")),
+        }
     }
 
     /// `ferry_podnet_to_pod` first on each of `devices` (before Service routing's tc
@@ -233,15 +281,15 @@ fn attach(
         .map_err(|e| format!("{name} on {device}: {e}"))
 }
 
-fn write_dest(ebpf: &mut Ebpf, cidr: &Cidr, kind: Option<u32>) -> Result<(), String> {
+fn write_dest(ebpf: &mut Ebpf, cidr: &Cidr, kind: Option<PodnetDest>) -> Result<(), String> {
     fn apply<const N: usize>(
         ebpf: &mut Ebpf,
         map: &str,
         key: Key<[u8; N]>,
-        kind: Option<u32>,
+        kind: Option<PodnetDest>,
     ) -> Result<(), String> {
         let map = ebpf.map_mut(map).ok_or_else(|| format!("no map {map}"))?;
-        let mut trie: LpmTrie<_, [u8; N], u32> =
+        let mut trie: LpmTrie<_, [u8; N], PodnetDest> =
             LpmTrie::try_from(map).map_err(|e| e.to_string())?;
         match kind {
             Some(v) => trie.insert(&key, v, 0).map_err(|e| e.to_string()),

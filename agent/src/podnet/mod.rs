@@ -30,7 +30,7 @@ use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
-use crate::{model::Cidr, status::SharedStatus};
+use crate::{model::Cidr, node::ifindex as node_ifindex, status::SharedStatus};
 use plan::{NodeLite, PodNetPlan};
 
 /// How often the node's routes, files and rules are checked again without a change
@@ -239,8 +239,8 @@ impl State {
         let Some(fast) = self.fast.as_mut() else {
             return;
         };
-        let others: Vec<Cidr> = plan.routes.iter().map(|r| r.dst).collect();
-        fast.set_destinations(&plan.own_cidrs, &others, problems);
+        fast.set_destinations(&plan.own_cidrs, &plan::fast_path_tunnels(plan), problems);
+        fast.set_config(plan::fast_path_config(plan, node_ifindex), problems);
         let own_ips = nodes
             .get(&cfg.node_name)
             .map(|n| n.internal_ips.clone())

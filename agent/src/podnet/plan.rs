@@ -132,7 +132,48 @@ pub fn vtep_mac(underlay: IpAddr) -> [u8; 6] {
             [o[12], o[13], o[14], o[15]]
         }
     };
-    [0x0a, 0xfe, b[0], b[1], b[2], b[3]]
+    ferry_common::podnet::vtep_mac(b)
+}
+
+/// The other nodes' pod CIDRs for the fast path, each with its node's underlay address
+/// when the fast path encapsulates to it itself: with the overlay over IPv4 (over IPv6
+/// the packets go through `ferry.vxlan`).
+pub fn fast_path_tunnels(plan: &PodNetPlan) -> Vec<(Cidr, Option<std::net::Ipv4Addr>)> {
+    let v4_overlay = plan
+        .vxlan
+        .as_ref()
+        .filter(|v| matches!(v.local, Some(IpAddr::V4(_))));
+    plan.routes
+        .iter()
+        .map(|r| {
+            let tunnel = v4_overlay.filter(|_| r.overlay).and_then(|v| {
+                let mac = v.neighbours.iter().find(|(ip, _)| *ip == r.via)?.1;
+                match v.fdb.iter().find(|(m, _)| *m == mac)?.1 {
+                    IpAddr::V4(a) => Some(a),
+                    IpAddr::V6(_) => None,
+                }
+            });
+            (r.dst, tunnel)
+        })
+        .collect()
+}
+
+/// The fast path's overlay parameters: `ferry.vxlan`'s, when the overlay runs over IPv4.
+pub fn fast_path_config(
+    plan: &PodNetPlan,
+    ifindex: impl Fn(&str) -> Option<u32>,
+) -> ferry_common::podnet::PodnetConfig {
+    let mut c = ferry_common::podnet::PodnetConfig::default();
+    if let Some(v) = &plan.vxlan {
+        if let (Some(IpAddr::V4(local)), Some(index)) = (v.local, ifindex(VXLAN_DEVICE)) {
+            c.underlay_v4 = u32::from_ne_bytes(local.octets());
+            c.vxlan_ifindex = index;
+            c.vni = VXLAN_VNI;
+            c.port = VXLAN_PORT;
+            c.mac = v.mac;
+        }
+    }
+    c
 }
 
 /// This node's VXLAN device and the entries that reach the other nodes.
@@ -552,6 +593,63 @@ mod tests {
             masquerade_script(None),
             "add table ip ferry-podnet\ndelete table ip ferry-podnet\nadd table ip6 ferry-podnet\ndelete table ip6 ferry-podnet\n"
         );
+    }
+
+    #[test]
+    fn the_fast_path_encapsulates_to_each_nodes_ipv4_underlay_only_with_the_overlay() {
+        let nodes = [
+            node(
+                "n1",
+                &["10.244.1.0/24", "fd00:244:1::/64"],
+                &["192.168.0.1"],
+            ),
+            node(
+                "n2",
+                &["10.244.2.0/24", "fd00:244:2::/64"],
+                &["192.168.0.2"],
+            ),
+            node("n3", &["10.244.3.0/24"], &["192.168.0.3"]),
+        ];
+        let tunnels = |overlay: bool| -> Vec<String> {
+            fast_path_tunnels(&plan("n1", &nodes, &[], overlay))
+                .iter()
+                .map(|(c, t)| format!("{c} {t:?}"))
+                .collect()
+        };
+        // Both families of a node ride on its IPv4 underlay address.
+        assert_eq!(
+            tunnels(true),
+            [
+                "10.244.2.0/24 Some(192.168.0.2)",
+                "10.244.3.0/24 Some(192.168.0.3)",
+                "fd00:244:2::/64 Some(192.168.0.2)",
+            ]
+        );
+        // Native routing (n2's IPv6 CIDR has no IPv6 InternalIP to go through).
+        assert_eq!(tunnels(false), ["10.244.2.0/24 None", "10.244.3.0/24 None"]);
+        let ifindex = |name: &str| (name == VXLAN_DEVICE).then_some(7);
+        let c = fast_path_config(&plan("n1", &nodes, &[], true), ifindex);
+        assert_eq!(c.underlay_v4, u32::from_ne_bytes([192, 168, 0, 1]));
+        assert_eq!((c.vxlan_ifindex, c.vni, c.port), (7, VXLAN_VNI, VXLAN_PORT));
+        assert_eq!(c.mac, [0x0a, 0xfe, 192, 168, 0, 1]);
+        // No overlay, or no device yet: nothing to encapsulate with.
+        let none = ferry_common::podnet::PodnetConfig::default();
+        assert_eq!(
+            fast_path_config(&plan("n1", &nodes, &[], false), ifindex),
+            none
+        );
+        assert_eq!(
+            fast_path_config(&plan("n1", &nodes, &[], true), |_| None),
+            none
+        );
+        // An IPv6 underlay is left to ferry.vxlan.
+        let v6 = [
+            node("n1", &["10.244.1.0/24"], &["fd00::1"]),
+            node("n2", &["10.244.2.0/24"], &["fd00::2"]),
+        ];
+        let p = plan("n1", &v6, &[], true);
+        assert_eq!(fast_path_tunnels(&p)[0].1, None);
+        assert_eq!(fast_path_config(&p, ifindex), none);
     }
 
     #[test]
