@@ -716,6 +716,82 @@ fn the_vxlan_overlay_carries_pods_of_every_node_and_follows_the_nodes() {
     assert!(o.ok, "n1a -> n2a with node3 gone: {o:?}");
 }
 
+#[test]
+fn the_vxlan_overlay_reaches_a_node_behind_a_router() {
+    // Node 3 moves to its own subnet: the LAN namespace routes between 192.168.77.0/24
+    // and 172.31.3.0/24, so nodes 1 and 2 reach it only through a router, where no route
+    // to a pod CIDR exists (native routing could not work: its InternalIP is not on
+    // their link).
+    let mut c = Cluster::new_bare("podnet-routed", NODES);
+    let lan = c.lan_ns.clone();
+    let router = "192.168.77.254";
+    sh(&format!(
+        "ip -n {lan} addr add {router}/24 dev br0 && ip -n {lan} addr add 172.31.3.254/24 dev br0 && ip netns exec {lan} sysctl -qw net.ipv4.ip_forward=1"
+    ));
+    let n3 = c.node(3).netns.clone();
+    sh(&format!(
+        "ip -n {n3} addr del {}/24 dev eth0 && ip -n {n3} addr add 172.31.3.3/24 dev eth0 && ip -n {n3} route add default via 172.31.3.254",
+        c.node(3).v4
+    ));
+    for n in [1, 2] {
+        sh(&format!(
+            "ip -n {} route add 172.31.3.0/24 via {router}",
+            c.node(n).netns
+        ));
+    }
+    sh(&format!(
+        "ip netns exec {lan} nft -f - <<'EOF'\ntable ip probe {{\n chain routed {{\n  type filter hook forward priority 0;\n  udp dport 8472 counter\n }}\n}}\nEOF"
+    ));
+    let (v4, v6) = Cluster::cni_pod_cidrs(3);
+    let node3 = format!(
+        "apiVersion: v1\nkind: Node\nmetadata:\n  name: node3\nspec:\n  podCIDRs: [{v4}, \"{v6}\"]\nstatus:\n  addresses:\n  - {{type: InternalIP, address: 172.31.3.3}}\n"
+    );
+    let nodes = [c.node_manifest(1), c.node_manifest(2), node3];
+    c.write_manifest("nodes.yaml", &docs(&nodes));
+    for n in 1..=NODES {
+        let mut args = c.pod_network_args(n);
+        args.push("--overlay=vxlan".into());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        c.start_agent(n, &args);
+    }
+    for n in 1..=NODES {
+        let conf = c.cni_dirs(n).0.join("10-ferry.conflist");
+        eventually(
+            &format!("node{n}'s agent writes its CNI configuration"),
+            Duration::from_secs(10),
+            || {
+                if conf.exists() {
+                    Ok(())
+                } else {
+                    Err(c.agent_log(n))
+                }
+            },
+        );
+        c.add_cni_pod(n, &format!("n{n}a"), &[SRV]);
+        wait_routes(&c, n, NODES - 1);
+    }
+    let pairs = [
+        ("n1a", "n3a"),
+        ("n3a", "n1a"),
+        ("n2a", "n3a"),
+        ("n3a", "n2a"),
+        ("n1a", "n2a"),
+    ];
+    let conns = connect_pairs(&c, &pairs, 1);
+    let routed: u64 = sh(&format!("ip netns exec {lan} nft list table ip probe"))
+        .split("packets ")
+        .skip(1)
+        .filter_map(|t| t.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    // To and from node 3, at least a SYN and its answer per connection crossed the
+    // router encapsulated.
+    assert!(
+        routed >= 8 * 2,
+        "the router forwarded {routed} VXLAN packets for {conns} connections"
+    );
+    eprintln!("routed underlay: {conns} connections, {routed} VXLAN packets through the router");
+}
+
 /// A Node for the fake API server: `pod_cidrs`, InternalIPs `ips`, and `ready` as its
 /// Ready condition (a heartbeat changes only that).
 fn api_node(name: &str, pod_cidrs: &[&str], ips: &[String], ready: &str) -> serde_json::Value {
