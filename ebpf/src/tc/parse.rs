@@ -133,7 +133,11 @@ impl Pkt {
 }
 
 /// Parses the packet, or `None` when the tc path has nothing to do with it.
-#[inline(always)]
+///
+/// A call of its own: its header copies then stay out of the entry points' stack frame,
+/// which every deeper call (`new_flow`, the ICMP path) adds to; inlined, the ingress
+/// chain through `new_flow` sat exactly at the verifier's 512-byte limit.
+#[inline(never)]
 pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
     // SAFETY: the kernel hands every tc program a valid skb for its run.
     let protocol = u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16);
