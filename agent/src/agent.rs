@@ -21,8 +21,10 @@ use tracing::{error, info, warn};
 
 use crate::{
     dataplane::{
-        self, Capacity, KernelMaps, LoadOptions, Plan, PlanError, Programmed, external::External,
-        loader::LoaderError,
+        self, Capacity, KernelMaps, LoadOptions, Plan, PlanError, Programmed,
+        external::External,
+        growth,
+        loader::{LoaderError, Pending},
     },
     engine::{Dirty, Engine, node_eligible},
     healthcheck::{HealthCheckService, HealthChecks},
@@ -110,7 +112,26 @@ struct Syncer {
     /// UDP backends in the maps (id -> address), to know what a member delete removed.
     udp_backends: std::collections::HashMap<u32, (IpAddr, u16)>,
     bpffs: PathBuf,
+    /// The loaded object: keeps the programs and the current map generation open.
+    ebpf: aya::Ebpf,
+    /// Attaching (and migrating from another layout) once the first sync is written.
+    pending: Pending,
+    migration_pending: bool,
+    /// Forwards the current object's eBPF log records.
+    bpf_logs: Option<tokio::task::JoinHandle<()>>,
+    /// What a new map generation is loaded with (bounds included).
+    load: LoadOptions,
+    /// The smallest capacity ([`growth::floor`]).
+    floor: u32,
+    /// After a failed growth, not again before this.
+    growth_blocked_until: Option<Instant>,
 }
+
+/// At most this many growths per sync (each retries what did not fit, which may then
+/// find the backend map too small).
+const GROWTH_ROUNDS: usize = 4;
+/// How long a failed growth waits before it is tried again.
+const GROWTH_RETRY: Duration = Duration::from_secs(60);
 
 impl Syncer {
     /// Connected UDP sockets pinned to a backend their Service just lost are destroyed,
@@ -160,8 +181,101 @@ impl Syncer {
         });
     }
 
-    /// Brings the maps up to date with the store, recomputing only `dirty` Services.
+    /// Brings the maps up to date with the store, recomputing only `dirty` Services; grows
+    /// the maps when they fill up and retries what did not fit. What still does not fit
+    /// is reported once, after growing.
     fn sync(&mut self, dirty: &Dirty) {
+        self.sync_once(dirty);
+        for _ in 0..GROWTH_ROUNDS {
+            let Some(p) = &self.programmed else { break };
+            let used = Capacity {
+                services: p.content.services.len() as u32,
+                backends: p.content.backends.len() as u32,
+            };
+            let desired = self.engine.desired();
+            let missing = growth::need_of(self.plan_errors.keys().filter_map(|id| desired.get(id)));
+            let need = Capacity {
+                services: used.services.saturating_add(missing.services),
+                backends: used.backends.saturating_add(missing.backends),
+            };
+            let Some(to) = growth::target(self.capacity, need, self.floor, self.load.bound) else {
+                break;
+            };
+            if !self.grow(to) {
+                break;
+            }
+            if self.plan_errors.is_empty() {
+                break;
+            }
+            self.sync_once(&Dirty::default());
+        }
+        self.log_plan_errors();
+    }
+
+    /// A new generation of the maps with capacity `to`, filled with what the current one
+    /// holds, swapped in behind the programs' links. False when it failed (the current
+    /// maps stay, and growing waits [`GROWTH_RETRY`]).
+    fn grow(&mut self, to: Capacity) -> bool {
+        if self
+            .growth_blocked_until
+            .is_some_and(|t| Instant::now() < t)
+        {
+            return false;
+        }
+        let from = self.capacity;
+        // What is programmed is what the current maps hold (a failed apply resets it).
+        let content = self.programmed.as_ref().map(|p| &p.content);
+        match growth::grow(&self.load, &self.maps, content, to, !self.migration_pending) {
+            Ok(g) => {
+                // The old maps and programs close here (the links hold the new ones).
+                self.maps = g.maps;
+                self.ebpf = g.ebpf;
+                self.capacity = g.capacity;
+                self.external.set_capacity(g.capacity.services);
+                if let Some(old) = self.bpf_logs.take() {
+                    old.abort();
+                }
+                self.bpf_logs = g.logger.map(|l| tokio::spawn(forward_bpf_logs(l)));
+                info!(
+                    services_from = from.services,
+                    services_to = to.services,
+                    backends_from = from.backends,
+                    backends_to = to.backends,
+                    entries = g.entries,
+                    elapsed_ms = g.elapsed.as_millis() as u64,
+                    "maps grown: service map {} -> {} entries, backend map {} -> {}",
+                    from.services,
+                    to.services,
+                    from.backends,
+                    to.backends
+                );
+                let mut st = self.status.lock().expect("status lock");
+                st.map_growths_total += 1;
+                st.last_map_growth = g.elapsed;
+                // Handles on the new maps are taken on the next refresh.
+                st.map_stats = None;
+                true
+            }
+            Err(e) => {
+                error!(
+                    "growing the maps (service map {} -> {}, backend map {} -> {}) failed: {e}; the current maps stay, retrying in {} s",
+                    from.services,
+                    to.services,
+                    from.backends,
+                    to.backends,
+                    GROWTH_RETRY.as_secs()
+                );
+                self.growth_blocked_until = Some(Instant::now() + GROWTH_RETRY);
+                self.status
+                    .lock()
+                    .expect("status lock")
+                    .map_growth_failures_total += 1;
+                false
+            }
+        }
+    }
+
+    fn sync_once(&mut self, dirty: &Dirty) {
         let started = Instant::now();
         let wall_started = SystemTime::now();
         // Operability: which Services this sync covers, for network programming latency.
@@ -233,7 +347,6 @@ impl Syncer {
         for e in errors {
             self.plan_errors.insert(e.service().clone(), e.clone());
         }
-        self.log_plan_errors();
         let report = self.maps.apply(&plan);
         if full {
             // After a full plan the index starts over from what is programmed.
@@ -293,6 +406,12 @@ impl Syncer {
             services: self.engine.take_desired(),
             ..Default::default()
         };
+        // The maps are sized from what this list needs before anything is planned (the
+        // new generation starts as a copy of `current`).
+        let need = growth::need_of(desired.services.values());
+        if let Some(to) = growth::target(self.capacity, need, self.floor, self.load.bound) {
+            self.grow(to);
+        }
         let (programmed, mut plan, mut errors) =
             Programmed::full(&desired, &current, self.capacity);
         if let Some(maps) = &self.maps.external {
@@ -669,16 +788,14 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     // Same layout (or none pinned): attach now, the maps are shared with whatever ran
     // before. Another layout pinned: its programs keep serving until ours have maps
     // filled with the full desired state, then each link swaps atomically.
-    let mut migration_pending = !pending.migrate_from.is_empty();
+    let migration_pending = !pending.migrate_from.is_empty();
     if migration_pending {
         let from: Vec<u32> = pending.migrate_from.iter().map(|(v, _)| *v).collect();
         info!(from = ?from, to = dataplane::loader::layout_version(), "another map layout is pinned: migrating after the first full sync");
     } else {
         dataplane::attach(&mut ebpf, &pending)?;
     }
-    if let Some(logger) = loaded.logger {
-        tokio::spawn(forward_bpf_logs(logger));
-    }
+    let bpf_logs = loaded.logger.map(|l| tokio::spawn(forward_bpf_logs(l)));
     // The source starts after the programs are loaded: the kernel's BTF, parsed while
     // loading, is freed before the first list fills memory, which keeps the peak down.
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -721,7 +838,19 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         udp_backends: Default::default(),
         external: External::default(),
         bpffs: cfg.load.bpffs.clone(),
+        ebpf,
+        pending,
+        migration_pending,
+        bpf_logs,
+        load: cfg.load.clone(),
+        floor: growth::floor(),
+        growth_blocked_until: None,
     };
+    status.lock().expect("status lock").map_bounds = [
+        (SERVICES_MAP, cfg.load.bound.services),
+        (BACKENDS_MAP, cfg.load.bound.backends),
+    ]
+    .into();
 
     let devices = cfg.load.devices.clone();
     syncer.sync_snat(&devices);
@@ -770,9 +899,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
                 if synced_source && (!dirty.is_empty() || syncer.programmed.is_none()) {
                     status.lock().expect("status lock").last_queued = Some(SystemTime::now());
                     syncer.sync(&std::mem::take(&mut dirty));
-                    if migration_pending && syncer.programmed.is_some() {
-                        dataplane::attach(&mut ebpf, &pending)?;
-                        migration_pending = false;
+                    if syncer.migration_pending && syncer.programmed.is_some() {
+                        dataplane::attach(&mut syncer.ebpf, &syncer.pending)?;
+                        syncer.migration_pending = false;
                     }
                     sync_health_checks(&mut health_checks, &mut health_wanted, syncer.health_checks()).await;
                 }
@@ -806,7 +935,10 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         }
         // Ready (the first full sync is in the maps and the programs attached): new
         // connections are ferry's, so kube-proxy's leftovers can go.
-        if takeover_pending && !migration_pending && status.lock().expect("status lock").synced {
+        if takeover_pending
+            && !syncer.migration_pending
+            && status.lock().expect("status lock").synced
+        {
             takeover_pending = false;
             // A detached thread, not spawn_blocking: the runtime waits for its blocking
             // tasks when it is dropped, and this one sleeps for minutes between its

@@ -393,11 +393,45 @@ fn metrics(s: &Status) -> String {
     m.family(
         "ferry_map_capacity",
         "gauge",
-        "Capacity per map: the planning capacity (--max-services, --max-backends) for the service and backend maps, the map size otherwise.",
+        "Capacity per map: the planning capacity for the service and backend maps (grown live up to --max-services, --max-backends), the map size otherwise.",
     );
     for (map, (_, cap)) in &fill {
         m.sample("ferry_map_capacity", &[("map", map)], *cap as f64);
     }
+    m.family(
+        "ferry_map_capacity_bound",
+        "gauge",
+        "Upper bound of the planned maps' capacity (--max-services, --max-backends).",
+    );
+    for (map, bound) in &s.map_bounds {
+        m.sample("ferry_map_capacity_bound", &[("map", map)], *bound as f64);
+    }
+    m.family(
+        "ferry_map_growths_total",
+        "counter",
+        "Map generations swapped in because the planned maps filled up.",
+    );
+    m.sample("ferry_map_growths_total", &[], s.map_growths_total as f64);
+    m.family(
+        "ferry_map_growth_failures_total",
+        "counter",
+        "Attempts to grow the maps that failed (the current maps stayed).",
+    );
+    m.sample(
+        "ferry_map_growth_failures_total",
+        &[],
+        s.map_growth_failures_total as f64,
+    );
+    m.family(
+        "ferry_map_last_growth_seconds",
+        "gauge",
+        "How long the last growth took: load, fill, program swap.",
+    );
+    m.sample(
+        "ferry_map_last_growth_seconds",
+        &[],
+        s.last_map_growth.as_secs_f64(),
+    );
     m.family(
         "ferry_datapath_events_total",
         "counter",

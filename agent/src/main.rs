@@ -126,11 +126,16 @@ struct AgentArgs {
     health_addr: std::net::SocketAddr,
     #[arg(long, default_value = "127.0.0.1:10249")]
     metrics_addr: std::net::SocketAddr,
-    /// Service map capacity: one entry per frontend plus one per backend slot.
-    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
+    /// Upper bound of the service map: one entry per frontend plus one per backend slot.
+    /// The maps are sized from what the first sync needs and grow live (without a gap in
+    /// service) when they are 80 % full, never beyond this bound; ServicePorts that still
+    /// do not fit are reported (log, `ferry_plan_errors`). The default fits about 200,000
+    /// Services with 4 endpoints.
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
     max_services: u32,
-    /// Backend map capacity (distinct address, port, protocol).
-    #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
+    /// Upper bound of the backend map (distinct address, port, protocol); grows like the
+    /// service map.
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u32).range(1..=MAX_CAPACITY as i64))]
     max_backends: u32,
     /// Session-affinity and UDP stickiness entries (LRU); also the size of the tc path's
     /// ClientIP affinity map (one entry per external client and ServicePort).
@@ -381,6 +386,10 @@ fn run_agent(a: AgentArgs) -> Result<()> {
     } else {
         None
     };
+    let bound = Capacity {
+        services: a.max_services,
+        backends: a.max_backends,
+    };
     let cfg = AgentConfig {
         source,
         node_name,
@@ -389,10 +398,8 @@ fn run_agent(a: AgentArgs) -> Result<()> {
         load: LoadOptions {
             bpffs: a.bpffs,
             cgroup,
-            capacity: Capacity {
-                services: a.max_services,
-                backends: a.max_backends,
-            },
+            capacity: dataplane::growth::initial(dataplane::growth::floor(), bound),
+            bound,
             affinity_entries: a.max_affinity,
             revnat_entries: a.max_revnat,
             devices,

@@ -38,6 +38,12 @@ pub struct Status {
     pub frontends_programmed: usize,
     pub backends_programmed: usize,
     pub map_entries: BTreeMap<&'static str, (usize, u32)>,
+    /// The `--max-*` bounds the planned maps grow up to.
+    pub map_bounds: BTreeMap<&'static str, u32>,
+    /// Map generations swapped in because the maps filled up, and how long the last took.
+    pub map_growths_total: u64,
+    pub map_growth_failures_total: u64,
+    pub last_map_growth: Duration,
     pub map_write_failures_total: u64,
     pub plan_errors: usize,
     pub object_problems: usize,
@@ -181,6 +187,10 @@ impl Default for Status {
             frontends_programmed: 0,
             backends_programmed: 0,
             map_entries: BTreeMap::new(),
+            map_bounds: BTreeMap::new(),
+            map_growths_total: 0,
+            map_growth_failures_total: 0,
+            last_map_growth: Duration::ZERO,
             map_write_failures_total: 0,
             plan_errors: 0,
             object_problems: 0,

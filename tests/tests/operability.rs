@@ -120,8 +120,9 @@ fn metrics_count_connections_rejects_and_map_fill() {
         (entries, cap)
     };
     // 5 frontends; slots: web 2, other 1, sticky 1.
-    assert_eq!(fill("FERRY_SVC"), (9.0, 65536.0));
-    assert_eq!(fill("FERRY_BACKENDS"), (2.0, 65536.0));
+    // The planned maps start at the smallest capacity (docs/capacity.md).
+    assert_eq!(fill("FERRY_SVC"), (9.0, 4096.0));
+    assert_eq!(fill("FERRY_BACKENDS"), (2.0, 4096.0));
     assert_eq!(fill("FERRY_MEMBERS").0, 4.0, "web 2, other 1, sticky 1");
     assert_eq!(
         fill("FERRY_AFFINITY"),

@@ -206,6 +206,11 @@ impl External {
         (plan, errors)
     }
 
+    /// The maps grew (`growth`): room for this many tables.
+    pub fn set_capacity(&mut self, capacity: u32) {
+        self.capacity = capacity;
+    }
+
     /// ServicePorts with a Maglev table.
     pub fn tables(&self) -> usize {
         self.tables

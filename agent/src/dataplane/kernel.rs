@@ -382,6 +382,20 @@ impl KernelMaps {
             .unwrap_or_default()
     }
 
+    /// Copies the per-ServicePort connection counts into another generation's maps (see
+    /// `growth`). Returns how many were copied.
+    pub fn carry_service_connections(&self, to: &mut KernelMaps) -> usize {
+        let (Some(from), Some(to)) = (&self.observed.svc_conns, &mut to.observed.svc_conns) else {
+            return 0;
+        };
+        let cap = max_entries(from.map()) as usize;
+        from.iter()
+            .take(cap)
+            .filter_map(Result::ok)
+            .filter_map(|(id, counts)| to.insert(id, counts, 0).ok())
+            .count()
+    }
+
     /// Removes the connection counts of service ids no longer programmed, so an id reused
     /// after a restart starts from zero. Returns how many were removed.
     pub fn prune_service_connections(&mut self, live: &BTreeSet<u32>) -> usize {

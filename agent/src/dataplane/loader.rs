@@ -42,6 +42,17 @@ pub const PROGRAMS: [&str; 8] = [
     "ferry_connect6",
 ];
 
+/// Maps whose size follows the planning capacity: growing replaces them with a new
+/// generation (see [`super::growth`]); every other map is kept as it is.
+pub const GENERATION_MAPS: [&str; 6] = [
+    SERVICES_MAP,
+    BACKENDS_MAP,
+    MEMBERS_MAP,
+    ferry_common::metrics::SVC_CONNS_MAP,
+    MAGLEV_MAP,
+    SOURCE_RANGES_MAP,
+];
+
 /// Maps pinned per layout, in `<bpffs>/v<N>/`. Conntrack is not among them: it is
 /// pinned in `<bpffs>` itself ([`ct_pin`]), so flows survive restarts and migrations.
 pub const ALL_MAPS: [&str; 12] = [
@@ -128,7 +139,10 @@ pub enum LoaderError {
 pub struct LoadOptions {
     pub bpffs: PathBuf,
     pub cgroup: PathBuf,
+    /// Capacity of maps created now (pinned maps keep theirs); the agent grows them.
     pub capacity: Capacity,
+    /// The `--max-*` bounds: the maps never grow beyond them.
+    pub bound: Capacity,
     /// Affinity / UDP stickiness map size.
     pub affinity_entries: u32,
     /// Socket reverse-translation map size.
@@ -166,6 +180,9 @@ pub struct Pending {
     /// Older layouts to migrate from (and remove) once the new maps are filled.
     pub migrate_from: Vec<(u32, PathBuf)>,
     devices: Vec<String>,
+    /// A grown generation: where its new maps are pinned until they replace the
+    /// current ones in `maps_dir` ([`commit_generation`]).
+    staging: Option<PathBuf>,
 }
 
 fn links_dir(bpffs: &Path) -> PathBuf {
@@ -206,6 +223,12 @@ pub fn layout_version() -> u32 {
 /// `<bpffs>/links/` and outlive every layout (their program is swapped in place).
 pub fn maps_dir(bpffs: &Path, version: u32) -> PathBuf {
     bpffs.join(format!("v{version}"))
+}
+
+/// Where a grown generation's new maps are pinned while they are filled:
+/// `<bpffs>/v<N>_grow/` (bpffs refuses dots in names). Never read by anyone else.
+fn staging_dir(bpffs: &Path, version: u32) -> PathBuf {
+    bpffs.join(format!("v{version}_grow"))
 }
 
 /// Pinned layouts other than `current`: `(version, directory of its map pins)`. The
@@ -313,6 +336,18 @@ fn pinned_layout(bpffs: &Path) -> Result<Option<u32>, LoaderError> {
 /// Loads the programs and opens (or creates) this layout's pinned maps. Nothing is
 /// attached yet: see [`attach`].
 pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
+    load_at(opts, opts.capacity, false)
+}
+
+/// Loads the programs again with a new generation of the [`GENERATION_MAPS`], sized for
+/// `capacity` and pinned apart, and every other map shared with the current generation
+/// (the same objects). Fill `maps`, then [`commit_generation`] (or
+/// [`discard_generation`]).
+pub fn load_generation(opts: &LoadOptions, capacity: Capacity) -> Result<Loaded, LoaderError> {
+    load_at(opts, capacity, true)
+}
+
+fn load_at(opts: &LoadOptions, capacity: Capacity, grow: bool) -> Result<Loaded, LoaderError> {
     if OBJECT.is_empty() {
         return Err(LoaderError::NoObject);
     }
@@ -330,6 +365,11 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         path: dir.clone(),
         source,
     })?;
+    // A generation an agent did not finish (it died while filling) is dropped.
+    let staging = staging_dir(&opts.bpffs, version);
+    if staging.exists() {
+        remove_layout(&opts.bpffs, &staging)?;
+    }
     let adopted = match pinned_layout(&dir)? {
         Some(found) if found != version => {
             return Err(LoaderError::LayoutMismatch {
@@ -341,14 +381,36 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         Some(_) => true,
         None => false,
     };
-    let migrate_from = other_layouts(&opts.bpffs, version);
-    let capacity = effective_capacity(opts, &dir);
+    let migrate_from = if grow {
+        Vec::new() // the first generation's migration is the agent's to finish
+    } else {
+        other_layouts(&opts.bpffs, version)
+    };
+    let capacity = if grow {
+        fs::create_dir_all(&staging).map_err(|source| LoaderError::Io {
+            what: "creating",
+            path: staging.clone(),
+            source,
+        })?;
+        capacity
+    } else {
+        effective_capacity(capacity, &dir)
+    };
 
     // Socket state (reverse NAT, affinity, the tc path's client pins) is taken over as the very same map objects
     // when their entries did not change shape: old and new programs then read and write
     // one map, and no connection made during the swap loses its entry.
-    let shared = shared_socket_maps(&dir, &migrate_from);
-    let mut pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, dir.join(m))).collect();
+    let shared = match grow {
+        true => Vec::new(), // shared already: the pins in `dir` are reused as they are
+        false => shared_socket_maps(&dir, &migrate_from),
+    };
+    let mut pins: Vec<(&str, PathBuf)> = ALL_MAPS
+        .iter()
+        .map(|m| match grow && GENERATION_MAPS.contains(m) {
+            true => (*m, staging.join(m)),
+            false => (*m, dir.join(m)),
+        })
+        .collect();
     for (name, old) in &shared {
         if let Some(p) = pins.iter_mut().find(|(n, _)| n == name) {
             p.1 = old.clone();
@@ -364,22 +426,22 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
     // Kernel maps get twice the planning capacity: during one apply the old and the new
     // content briefly coexist (inserts go before deletes), and that must never overflow.
     loader
-        .map_max_entries(SERVICES_MAP, opts.capacity.services * HEADROOM)
-        .map_max_entries(BACKENDS_MAP, opts.capacity.backends * HEADROOM)
+        .map_max_entries(SERVICES_MAP, capacity.services * HEADROOM)
+        .map_max_entries(BACKENDS_MAP, capacity.backends * HEADROOM)
         // A service's members are at most its backend slots.
-        .map_max_entries(MEMBERS_MAP, opts.capacity.services * HEADROOM)
+        .map_max_entries(MEMBERS_MAP, capacity.services * HEADROOM)
         .map_max_entries(AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(TC_AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries)
         // One counter per ServicePort with traffic: at most one per frontend entry.
         .map_max_entries(
             ferry_common::metrics::SVC_CONNS_MAP,
-            opts.capacity.services * HEADROOM,
+            capacity.services * HEADROOM,
         )
         // At most one Maglev table and a few ranges per ServicePort; neither map is
         // preallocated, so the size is only a bound.
-        .map_max_entries(MAGLEV_MAP, opts.capacity.services * HEADROOM)
-        .map_max_entries(SOURCE_RANGES_MAP, opts.capacity.services * HEADROOM)
+        .map_max_entries(MAGLEV_MAP, capacity.services * HEADROOM)
+        .map_max_entries(SOURCE_RANGES_MAP, capacity.services * HEADROOM)
         .map_max_entries(CT_MAP, opts.conntrack_entries);
     let mut ebpf = loader.load(OBJECT)?;
 
@@ -449,6 +511,7 @@ pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
         maps_dir: dir,
         migrate_from,
         devices: opts.devices.clone(),
+        staging: grow.then_some(staging),
     };
     Ok(Loaded {
         ebpf,
@@ -588,25 +651,54 @@ fn remove_layout(bpffs: &Path, dir: &Path) -> Result<Vec<PathBuf>, LoaderError> 
     Ok(removed)
 }
 
-fn effective_capacity(opts: &LoadOptions, dir: &Path) -> Capacity {
+/// Pinned maps keep their size across restarts (the agent grows them when it needs to).
+fn effective_capacity(want: Capacity, dir: &Path) -> Capacity {
     let pinned = |name: &str, want: u32| -> u32 {
-        let Ok(info) = MapData::from_pin(dir.join(name)).and_then(|d| d.info()) else {
-            return want;
-        };
-        let pinned = info.max_entries() / HEADROOM;
-        if pinned != want {
-            warn!(
-                map = name,
-                pinned,
-                requested = want,
-                "pinned map keeps its size; a new size takes effect after `ferry cleanup`"
-            );
-        }
-        pinned
+        MapData::from_pin(dir.join(name))
+            .and_then(|d| d.info())
+            .map_or(want, |info| info.max_entries() / HEADROOM)
     };
     Capacity {
-        services: pinned(SERVICES_MAP, opts.capacity.services),
-        backends: pinned(BACKENDS_MAP, opts.capacity.backends),
+        services: pinned(SERVICES_MAP, want.services),
+        backends: pinned(BACKENDS_MAP, want.backends),
+    }
+}
+
+/// Makes a filled generation the current one: the programs are swapped to it behind
+/// their pinned links (when `swap`), then each of its map pins replaces the current
+/// one by `rename(2)`, so `<bpffs>/v<N>/` never lacks a pin. The old maps go away with
+/// the last program and handle that holds them.
+pub fn commit_generation(ebpf: &mut Ebpf, p: &Pending, swap: bool) -> Result<(), LoaderError> {
+    let Some(staging) = &p.staging else {
+        return Ok(());
+    };
+    if swap {
+        for name in PROGRAMS {
+            attach_or_swap(ebpf, name, &p.cgroup, p.cgroup_id, &p.bpffs)?;
+        }
+        tc::attach(ebpf, &p.devices, &links_dir(&p.bpffs))?;
+    }
+    for name in GENERATION_MAPS {
+        let (from, to) = (staging.join(name), p.maps_dir.join(name));
+        if !from.exists() {
+            continue; // an object without the tc maps
+        }
+        fs::rename(&from, &to).map_err(|source| LoaderError::Io {
+            what: "replacing pin",
+            path: to.clone(),
+            source,
+        })?;
+    }
+    remove_dir_if_present(staging, &mut Vec::new())
+}
+
+/// Drops a generation that could not be filled: its pins go; the current generation
+/// was never touched.
+pub fn discard_generation(p: &Pending) {
+    if let Some(staging) = &p.staging
+        && let Err(e) = remove_layout(&p.bpffs, staging)
+    {
+        warn!(error = %e, "removing an unfinished map generation");
     }
 }
 
@@ -703,6 +795,12 @@ pub fn cleanup(bpffs: &Path) -> Result<Vec<PathBuf>, LoaderError> {
     layouts.retain(|(_, d)| d != bpffs);
     for (_, dir) in layouts {
         removed.extend(remove_layout(bpffs, &dir)?);
+    }
+    // Generations an agent did not finish growing.
+    for e in fs::read_dir(bpffs).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().ends_with("_grow") {
+            removed.extend(remove_layout(bpffs, &e.path())?);
+        }
     }
     // Layout 1 pinned maps in the root; removing its names is harmless otherwise.
     removed.extend(remove_layout(bpffs, bpffs)?);

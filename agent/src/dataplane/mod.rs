@@ -4,11 +4,13 @@
 //!   an ordered list of writes against what the kernel holds now;
 //! - [`kernel`] reads and writes the pinned maps;
 //! - [`loader`] loads the programs, pins maps and links, and swaps programs in place;
+//! - [`growth`] sizes the maps from what they must hold and grows them live;
 //! - [`bpf_sys`] holds the few raw `bpf(2)` calls aya 0.14 does not expose.
 
 pub mod bpf_sys;
 pub mod ext_maps;
 pub mod external;
+pub mod growth;
 pub mod kernel;
 pub mod loader;
 pub mod maglev;
