@@ -118,10 +118,10 @@ impl FastPath {
             return;
         }
         for (cidr, dest) in &want {
-            if self.dest.get(cidr) != Some(dest) {
-                if let Err(e) = write_dest(&mut self.ebpf, cidr, Some(*dest)) {
-                    problems.push(format!("fast path: adding {cidr}: {e}"));
-                }
+            if self.dest.get(cidr) != Some(dest)
+                && let Err(e) = write_dest(&mut self.ebpf, cidr, Some(*dest))
+            {
+                problems.push(format!("fast path: adding {cidr}: {e}"));
             }
         }
         for cidr in self.dest.keys().filter(|c| !want.contains_key(c)) {

@@ -164,14 +164,14 @@ pub fn fast_path_config(
     ifindex: impl Fn(&str) -> Option<u32>,
 ) -> ferry_common::podnet::PodnetConfig {
     let mut c = ferry_common::podnet::PodnetConfig::default();
-    if let Some(v) = &plan.vxlan {
-        if let (Some(IpAddr::V4(local)), Some(index)) = (v.local, ifindex(VXLAN_DEVICE)) {
-            c.underlay_v4 = u32::from_ne_bytes(local.octets());
-            c.vxlan_ifindex = index;
-            c.vni = VXLAN_VNI;
-            c.port = VXLAN_PORT;
-            c.mac = v.mac;
-        }
+    if let Some(v) = &plan.vxlan
+        && let (Some(IpAddr::V4(local)), Some(index)) = (v.local, ifindex(VXLAN_DEVICE))
+    {
+        c.underlay_v4 = u32::from_ne_bytes(local.octets());
+        c.vxlan_ifindex = index;
+        c.vni = VXLAN_VNI;
+        c.port = VXLAN_PORT;
+        c.mac = v.mac;
     }
     c
 }
