@@ -5,7 +5,7 @@
 //! ferry-bench datapath-clusterip [--quick] [--out DIR] [--docs FILE|--no-docs] [--services N,N..]
 //!                                [--rounds R] [--seconds S] [--workers W] [--changes C] [--no-profile]
 //! ferry-bench datapath-external  [--quick] [--out DIR] [--docs FILE|--no-docs] [--rounds R] [--seconds S]
-//! ferry-bench pod-network        [--quick] [--out DIR] [--docs FILE|--no-docs] [--rounds R] [--seconds S] [--no-vxlan]
+//! ferry-bench pod-network        [--quick] [--out DIR] [--docs FILE|--no-docs] [--rounds R] [--seconds S] [--no-vxlan] [--kernel-path]
 //! ferry-bench all                [--quick] [--out DIR] [--docs FILE|--no-docs]
 //! ```
 //!

@@ -85,6 +85,9 @@ pub(crate) struct Args {
     pub(crate) base: crate::external::Args,
     /// Measure the VXLAN overlay too (when the agent has it).
     pub(crate) vxlan: bool,
+    /// `--kernel-path`: the agents run with `--pod-network-fast-path=false`, so pod
+    /// traffic takes the kernel's forwarding path (the comparison for the fast path).
+    pub(crate) kernel_path: bool,
 }
 
 impl Args {
@@ -92,15 +95,20 @@ impl Args {
         let mut base = crate::external::Args::new(quick, out);
         // Three rounds at least, so that the median is a middle one.
         base.rounds = base.rounds.max(3);
-        Args { base, vxlan: true }
+        Args {
+            base,
+            vxlan: true,
+            kernel_path: false,
+        }
     }
 
-    /// `--rounds R`, `--seconds S`, `--no-vxlan`.
+    /// `--rounds R`, `--seconds S`, `--no-vxlan`, `--kernel-path`.
     pub(crate) fn parse(&mut self, argv: &[String]) -> Result<(), String> {
         self.vxlan = !argv.iter().any(|a| a == "--no-vxlan");
+        self.kernel_path = argv.iter().any(|a| a == "--kernel-path");
         let rest: Vec<String> = argv
             .iter()
-            .filter(|a| *a != "--no-vxlan")
+            .filter(|a| *a != "--no-vxlan" && *a != "--kernel-path")
             .cloned()
             .collect();
         self.base.parse(&rest)
@@ -217,7 +225,13 @@ fn poll(
     }
 }
 
-fn build(k: usize, overlay: &'static str, workdir: &Path, out: &Path) -> Result<Cluster, String> {
+fn build(
+    k: usize,
+    overlay: &'static str,
+    fast_path: bool,
+    workdir: &Path,
+    out: &Path,
+) -> Result<Cluster, String> {
     let pid = std::process::id();
     let c = if overlay == "vxlan" { 'v' } else { 'r' };
     let id = format!("fp{pid}{c}");
@@ -292,6 +306,7 @@ fn build(k: usize, overlay: &'static str, workdir: &Path, out: &Path) -> Result<
             .arg("--cni-plugin")
             .arg(bin("ferry-cni"))
             .args(["--overlay", overlay])
+            .arg(format!("--pod-network-fast-path={fast_path}"))
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(logf.try_clone().map_err(|e| e.to_string())?)
@@ -526,6 +541,10 @@ pub(crate) fn markdown(doc: &Value) -> String {
     let c = &doc["clusters"];
     let load = &doc["loadavg_1min"];
     s.push_str(&format!(
+        "\nPod traffic took the {}.",
+        doc["pod_path"].as_str().unwrap_or("fast path")
+    ));
+    s.push_str(&format!(
         "\nPod MTU: native {}, VXLAN {}. Load average (1 min) at the start {}, at the end {}: \
          above the benchmark's own 2 (the iperf3 client and server) means other work shared the machine.\n",
         c["native"]["pod_mtu"], c["vxlan"]["pod_mtu"], load["start"], load["end"]
@@ -571,9 +590,10 @@ pub(crate) fn run(args: &Args) -> Result<(Value, String), String> {
     fs::create_dir_all(&workdir).map_err(|e| format!("{}: {e}", workdir.display()))?;
     fs::create_dir_all(&args.base.out).map_err(|e| format!("{}: {e}", args.base.out.display()))?;
 
-    let native = build(0, "none", &workdir, &args.base.out)?;
+    let fast_path = !args.kernel_path;
+    let native = build(0, "none", fast_path, &workdir, &args.base.out)?;
     let vxlan = if variants.contains(&"vxlan") {
-        Some(build(1, "vxlan", &workdir, &args.base.out)?)
+        Some(build(1, "vxlan", fast_path, &workdir, &args.base.out)?)
     } else {
         None
     };
@@ -654,6 +674,7 @@ pub(crate) fn run(args: &Args) -> Result<(Value, String), String> {
         "machine": crate::util::machine(),
         "revision": crate::util::revision(),
         "mode": if args.base.quick { "quick" } else { "full" },
+        "pod_path": if fast_path { "fast path" } else { "kernel path (--pod-network-fast-path=false)" },
         "settings": {"rounds": args.base.rounds, "seconds": args.base.seconds, "udp_payload": UDP_PAYLOAD},
         "setup_s": setup_s,
         "elapsed_s": t0.elapsed().as_secs_f64(),
