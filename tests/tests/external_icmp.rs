@@ -14,6 +14,8 @@
 //! 3. ferry's own forwarding: node1's route to node2's pods gets MTU 1300 (locked), the client
 //!    sends larger segments; ferry answers with "fragmentation needed" / "packet too
 //!    big" 1300 (what the kernel's forwarding would send).
+//! 4. the same for replies: node1's route to a client gets MTU 1300 (locked); ferry
+//!    answers the backend, which learns the path MTU towards node1's source-NAT address.
 //!
 //! Before this change (the tc path of commit 9660fab, run with this file): the first
 //! large transfer (case 1) never completed, IPv4 and IPv6 ("no reply within 15s": node2's
@@ -95,10 +97,10 @@ fn big_transfer(c: &Cluster, i: usize, addr: &str, what: &str, diag: usize) {
     eprintln!("{what}: 20 kB echoed in {:?}", t.elapsed());
 }
 
-/// The path MTU client `i` has learned towards `to` (its route cache), if any.
-fn learned_mtu(c: &Cluster, i: usize, to: IpAddr) -> Option<u32> {
+/// The path MTU the namespace `netns` has learned towards `to` (its route cache), if any.
+fn learned_mtu(netns: &str, to: IpAddr) -> Option<u32> {
     let fam = if to.is_ipv6() { "-6" } else { "-4" };
-    let out = sh(&format!("ip -n {} {fam} route get {to}", c.client(i).netns));
+    let out = sh(&format!("ip -n {netns} {fam} route get {to}"));
     let mut words = out.split_whitespace();
     while let Some(w) = words.next() {
         if w == "mtu" {
@@ -109,7 +111,7 @@ fn learned_mtu(c: &Cluster, i: usize, to: IpAddr) -> Option<u32> {
 }
 
 fn expect_mtu(c: &Cluster, i: usize, to: IpAddr, want: u32, what: &str) {
-    let got = learned_mtu(c, i, to);
+    let got = learned_mtu(&c.client(i).netns, to);
     assert_eq!(
         got,
         Some(want),
@@ -188,6 +190,36 @@ fn pmtu(family_v6: bool) {
         1,
     );
     expect_mtu(&c, 1, node1, 1300, "ferry's own too-big error");
+
+    // 4. The reply direction: node1's route to client2 gets MTU 1300 (locked). client2
+    // advertised an MSS for 1400, so the backend's reply segments are too big for it;
+    // ferry answers the backend (quoting the reply as it arrived, to node1's source-NAT
+    // address), the backend lowers its segments, the echo completes. (Before, ferry's
+    // reply path ignored the route's MTU: the echo completed at the device MTU and the
+    // backend learned nothing; the route cache check below failed.)
+    let client2 = if family_v6 {
+        c.client(2).v6.to_string()
+    } else {
+        c.client(2).v4.to_string()
+    };
+    sh(&format!(
+        "ip -n {n1} {fam} route replace {client2} dev eth0 mtu lock 1300"
+    ));
+    big_transfer(
+        &c,
+        2,
+        &hostport(node1, NP_TCP),
+        "client2 via node1 (replies too big for node1's route to client2)",
+        1,
+    );
+    let learned: Vec<Option<u32>> = ["n2p1", "n2p2"]
+        .iter()
+        .map(|p| learned_mtu(&c.pod(p).netns, node1))
+        .collect();
+    assert!(
+        learned.contains(&Some(1300)),
+        "the backend must have learned path MTU 1300 towards node1 from ferry's error; n2p1, n2p2 route caches: {learned:?}"
+    );
 }
 
 #[test]

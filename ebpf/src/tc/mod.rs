@@ -202,8 +202,13 @@ fn touch_original(pkt: &Pkt, r: &CtEntry, now: u64) {
 /// local stack).
 #[inline(never)]
 fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
+    touch_original(pkt, &s.reply, now);
+    // Too big for the client's side: the backend is told, as the reply arrived.
+    let resolved = match route(ctx, pkt, s, true) {
+        Ok(r) => r,
+        Err(verdict) => return verdict,
+    };
     let r = &s.reply;
-    touch_original(pkt, r, now);
     if rewrite(ctx, pkt, &r.nat_addr, r.nat_port, &r.snat_addr, r.snat_port).is_err()
         || nat::dec_ttl(ctx, pkt).is_err()
     {
@@ -218,15 +223,45 @@ fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32
             true,
         );
     }
-    // Too big for the client's side: dropped and counted (no PMTU error towards the
-    // backend).
-    fib::send(
+    match fib::redirect(ctx, &s.fib, resolved) {
+        Some(v) => v,
+        None => {
+            count(COUNT_FIB_FAIL);
+            SHOT
+        }
+    }
+}
+
+/// The route of a packet the program forwards itself (`reply`: a reply towards the
+/// client, else a source-NATed packet towards its backend), looked up before the rewrite
+/// with the packet's length. `Ok(resolved)`, or `Err(verdict)`: a packet too big for the
+/// route is answered with fragmentation needed / packet too big quoting it as it arrived
+/// (IPv4 without DF is dropped: the kernel would fragment it, ferry cannot).
+#[inline(always)]
+fn route(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, reply: bool) -> Result<bool, i32> {
+    let iif = ingress_ifindex(ctx);
+    let (saddr, daddr) = if reply {
+        (&s.reply.nat_addr, &s.reply.snat_addr)
+    } else {
+        (&s.entry.snat_addr, &s.entry.nat_addr)
+    };
+    match fib::lookup(
         ctx,
         &mut s.fib,
         pkt.v6,
-        &s.reply.nat_addr,
-        &s.reply.snat_addr,
-    )
+        saddr,
+        daddr,
+        iif,
+        wire_len(ctx, pkt),
+    ) {
+        Route::Resolved => Ok(true),
+        Route::Unresolved => Ok(false),
+        Route::TooBig(mtu) if pkt.df => Err(icmp::too_big(ctx, pkt, mtu)),
+        Route::TooBig(_) | Route::Fail => {
+            count(COUNT_FIB_FAIL);
+            Err(SHOT)
+        }
+    }
 }
 
 /// Translates a packet of a flow as its original entry (`s.entry`) says and sends it on.
@@ -237,30 +272,10 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
     if snat && s.route == ROUTE_NONE {
         // The route before the rewrite: a packet too big for it is answered with the
         // client's packet as it is (the quote must be what the client sent).
-        let iif = ingress_ifindex(ctx);
-        s.route = match fib::lookup(
-            ctx,
-            &mut s.fib,
-            pkt.v6,
-            &s.entry.snat_addr,
-            &s.entry.nat_addr,
-            iif,
-            wire_len(ctx, pkt),
-        ) {
-            Route::Resolved => ROUTE_RESOLVED,
-            Route::Unresolved => ROUTE_UNRESOLVED,
-            Route::TooBig(mtu) => {
-                if pkt.df {
-                    return icmp::too_big(ctx, pkt, mtu);
-                }
-                // IPv4 without DF would be fragmented by the kernel; ferry cannot.
-                count(COUNT_FIB_FAIL);
-                return SHOT;
-            }
-            Route::Fail => {
-                count(COUNT_FIB_FAIL);
-                return SHOT;
-            }
+        s.route = match route(ctx, pkt, s, false) {
+            Ok(true) => ROUTE_RESOLVED,
+            Ok(false) => ROUTE_UNRESOLVED,
+            Err(verdict) => return verdict,
         };
     }
     let e = &s.entry;
