@@ -647,7 +647,8 @@ async fn forward_bpf_logs(logger: dataplane::loader::BpfLogger) {
 }
 
 /// Starts the manifests source: the first scan is sent before this returns, so a broken
-/// directory is reported before the first sync.
+/// directory is reported before the first sync. After that, only what changed is sent
+/// (one event per changed Service or EndpointSlice).
 fn start_manifests(
     dir: PathBuf,
     tx: mpsc::UnboundedSender<SourceEvent>,
@@ -656,32 +657,35 @@ fn start_manifests(
 ) {
     let mut source = ManifestsSource::new(dir);
     let first = source.rescan();
+    // The first view goes out whole, below; the changes start from it.
+    drop(source.take_update());
     status.lock().expect("status lock").source_errors =
         source::manifests::failing_files(&first.errors);
-    let objects = Arc::new(source.objects());
-    let send_all = |tx: &mpsc::UnboundedSender<SourceEvent>, o: &source::Objects| {
-        let services = o
-            .services
-            .values()
-            .filter_map(source::ServiceLite::from_k8s)
-            .collect();
-        let _ = tx.send(SourceEvent::ServicesReset(services));
-        let slices = o
-            .slices
-            .values()
-            .filter_map(source::SliceLite::from_k8s)
-            .collect();
-        let _ = tx.send(SourceEvent::SlicesReset(slices));
-    };
-    send_all(&tx, &objects);
+    let objects = source.objects_ref();
+    let services = objects
+        .services
+        .values()
+        .filter_map(source::ServiceLite::from_k8s)
+        .collect();
+    let _ = tx.send(SourceEvent::ServicesReset(services));
+    let slices = objects
+        .slices
+        .values()
+        .filter_map(source::SliceLite::from_k8s)
+        .collect();
+    let _ = tx.send(SourceEvent::SlicesReset(slices));
     let _ = tx.send(SourceEvent::Synced);
     // The first view is always sent, empty or not: the pod network waits for it.
     if let Some(ntx) = &nodes_tx {
-        ntx.send_replace(Arc::new(crate::podnet::nodes_of(&objects)));
+        ntx.send_replace(Arc::new(crate::podnet::nodes_of(objects)));
     }
-    let send_nodes = move |o: &source::Objects| {
+    let send_nodes = move |nodes| {
         if let Some(ntx) = &nodes_tx {
-            let nodes = crate::podnet::nodes_of(o);
+            let only_nodes = source::Objects {
+                nodes,
+                ..Default::default()
+            };
+            let nodes = crate::podnet::nodes_of(&only_nodes);
             ntx.send_if_modified(|cur| {
                 let changed = **cur != nodes;
                 if changed {
@@ -691,21 +695,24 @@ fn start_manifests(
             });
         }
     };
-    let (wtx, mut wrx) = watch::channel(objects);
+    let (utx, mut urx) = mpsc::unbounded_channel();
     tokio::spawn(source::manifests::watch_with(
         source,
         MANIFEST_POLL,
-        wtx,
+        utx,
         move |scan| {
             status.lock().expect("status lock").source_errors =
                 source::manifests::failing_files(&scan.errors);
         },
     ));
     tokio::spawn(async move {
-        while wrx.changed().await.is_ok() {
-            let o = wrx.borrow_and_update().clone();
-            send_all(&tx, &o);
-            send_nodes(&o);
+        while let Some(update) = urx.recv().await {
+            for event in update.events {
+                let _ = tx.send(event);
+            }
+            if let Some(nodes) = update.nodes {
+                send_nodes(nodes);
+            }
         }
     });
 }

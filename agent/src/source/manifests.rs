@@ -8,13 +8,12 @@
 //! Files are polled, not watched: simple, and it works on every filesystem (including
 //! ConfigMap volumes, whose files are symlinks swapped atomically).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
 use std::fs;
 use std::hash::{DefaultHasher, Hasher};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use k8s_openapi::Resource as _;
@@ -23,10 +22,12 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
-use tokio::sync::watch;
+use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
 
+use super::defs::{DefIndex, DefKey};
 use super::store::{DEFAULT_NAMESPACE, ObjectKey, Objects};
+use super::{ServiceLite, SliceLite, SourceEvent};
 
 /// Where a problem is in a file: `path:line` or `path:line:column` (1-based).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,16 +126,46 @@ pub fn check_dir(dir: &Path) -> Result<(), ManifestError> {
 }
 
 /// A directory of manifests, rescanned on demand; remembers each file's last good objects.
+///
+/// The merged view is kept up to date through the keys a changed file touches (see
+/// [`super::defs`]), and the objects that changed are handed out as events
+/// ([`ManifestsSource::take_update`]): one changed file among many costs its own parse
+/// and its own objects, not a merge and a diff of every file.
 #[derive(Debug)]
 pub struct ManifestsSource {
     dir: PathBuf,
     files: BTreeMap<PathBuf, FileState>,
     merged: Objects,
     duplicates: Vec<ManifestError>,
-    /// Some file's good objects changed since the last merge.
-    dirty: bool,
+    /// Which file defines each object.
+    index: DefIndex,
+    /// Objects of the merged view changed since the last [`Self::take_update`].
+    pending: Pending,
     /// How many times a file was parsed (tests check that unchanged files are not).
     parses: usize,
+}
+
+/// Keys whose merged object changed (or went away) since the last update was taken.
+#[derive(Debug, Default)]
+struct Pending {
+    services: BTreeSet<ObjectKey>,
+    slices: BTreeSet<ObjectKey>,
+    nodes: bool,
+}
+
+/// What changed in the merged view since the previous [`ManifestsSource::take_update`].
+#[derive(Debug, Default)]
+pub struct Update {
+    /// One event per changed Service or EndpointSlice, for the agent's store.
+    pub events: Vec<SourceEvent>,
+    /// Every Node, when any of them changed (the pod network reads them whole).
+    pub nodes: Option<BTreeMap<String, Node>>,
+}
+
+impl Update {
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty() && self.nodes.is_none()
+    }
 }
 
 impl ManifestsSource {
@@ -145,7 +176,8 @@ impl ManifestsSource {
             files: BTreeMap::new(),
             merged: Objects::default(),
             duplicates: Vec::new(),
-            dirty: false,
+            index: DefIndex::default(),
+            pending: Pending::default(),
             parses: 0,
         }
     }
@@ -157,6 +189,36 @@ impl ManifestsSource {
     /// The merged objects of every file, as of the last rescan.
     pub fn objects(&self) -> Objects {
         self.merged.clone()
+    }
+
+    /// The merged objects, borrowed.
+    pub fn objects_ref(&self) -> &Objects {
+        &self.merged
+    }
+
+    /// The Services and EndpointSlices that changed since the previous call (or since
+    /// the source was made), as events, in key order: applied when an object is (still)
+    /// defined, deleted when not. An object ferry cannot use (see [`ServiceLite`]) is
+    /// reported deleted, as a full list would leave it out.
+    pub fn take_update(&mut self) -> Update {
+        let pending = std::mem::take(&mut self.pending);
+        let mut events = Vec::with_capacity(pending.services.len() + pending.slices.len());
+        for k in pending.services {
+            let lite = self.merged.services.get(&k).and_then(ServiceLite::from_k8s);
+            events.push(match lite {
+                Some(svc) => SourceEvent::ServiceApplied(svc),
+                None => SourceEvent::ServiceDeleted(k),
+            });
+        }
+        for k in pending.slices {
+            let lite = self.merged.slices.get(&k).and_then(SliceLite::from_k8s);
+            events.push(match lite {
+                Some(slice) => SourceEvent::SliceApplied(slice),
+                None => SourceEvent::SliceDeleted(k),
+            });
+        }
+        let nodes = pending.nodes.then(|| self.merged.nodes.clone());
+        Update { events, nodes }
     }
 
     /// Reads DIR again, reparsing only files whose content changed.
@@ -171,13 +233,19 @@ impl ManifestsSource {
                 };
             }
         };
-        let before = self.files.len();
-        self.files.retain(|path, _| paths.contains(path));
-        self.dirty |= self.files.len() != before;
+        let gone: Vec<PathBuf> = self
+            .files
+            .keys()
+            .filter(|path| !paths.contains(*path))
+            .cloned()
+            .collect();
+        for path in gone {
+            self.forget(&path);
+        }
         for path in paths {
             self.refresh(path);
         }
-        let changed = self.dirty && self.remerge();
+        let changed = self.remerge();
         let errors = self
             .files
             .values()
@@ -193,7 +261,7 @@ impl ManifestsSource {
         let previous = self.files.get(&path).and_then(|state| state.seen.as_ref());
         match load(&path, previous) {
             Load::Unchanged => {}
-            Load::Gone => self.dirty |= self.files.remove(&path).is_some(),
+            Load::Gone => self.forget(&path),
             Load::Failed(reason) => {
                 let state = self.files.entry(path.clone()).or_default();
                 // Forget the hash so that the next successful read is parsed again.
@@ -213,27 +281,55 @@ impl ManifestsSource {
             self.parses += 1;
             Some(parse_file(&path, bytes))
         };
-        let state = self.files.entry(path).or_default();
+        let state = self.files.entry(path.clone()).or_default();
         state.seen = Some(seen);
         match parsed {
             None => {}
             Some(Ok(found)) => {
+                self.index.remove_file(&path, def_keys(&state.good));
                 state.good = found;
                 state.errors.clear();
-                self.dirty = true;
+                self.index.add_file(
+                    &path,
+                    state
+                        .good
+                        .iter()
+                        .map(|found| (found.kind(), &found.key, found.line)),
+                );
             }
             // All or nothing: the last good objects stay until the file is fixed.
             Some(Err(errors)) => state.errors = errors,
         }
     }
 
-    /// Rebuilds the merged view; returns whether it differs from the previous one.
+    /// Drops a file that is gone, with its objects.
+    fn forget(&mut self, path: &Path) {
+        if let Some(state) = self.files.remove(path) {
+            self.index.remove_file(path, def_keys(&state.good));
+        }
+    }
+
+    /// Brings the merged view up to date for the objects whose definitions changed;
+    /// returns whether any merged object changed.
     fn remerge(&mut self) -> bool {
-        let (merged, duplicates) = merge(&self.files);
-        self.duplicates = duplicates;
-        self.dirty = false;
-        let changed = merged != self.merged;
-        self.merged = merged;
+        let mut changed = false;
+        for (key, winner) in self.index.take_touched() {
+            let object = winner.and_then(|def| {
+                let found = self.files.get(&*def.path)?.good.get(def.index)?;
+                Some(&found.object)
+            });
+            changed |= merge_one(&mut self.merged, &mut self.pending, key, object);
+        }
+        self.duplicates = self
+            .index
+            .duplicates()
+            .into_iter()
+            .map(|dup| ManifestError::Duplicate {
+                at: Position::new(&dup.at.path, dup.at.line, None),
+                first: Position::new(&dup.first.path, dup.first.line, None),
+                object: format!("{} {}", dup.key.0, dup.key.1),
+            })
+            .collect();
         changed
     }
 }
@@ -257,9 +353,9 @@ pub fn failing_files(errors: &[ManifestError]) -> usize {
 }
 
 /// Runs the source forever: rescans every `interval`, logs each distinct problem once
-/// (until its text changes) and sends the merged objects whenever they change.
-/// Returns only when every receiver is gone.
-pub async fn watch(src: ManifestsSource, interval: Duration, tx: watch::Sender<Arc<Objects>>) {
+/// (until its text changes) and sends what changed ([`ManifestsSource::take_update`])
+/// whenever something did. Returns only when the receiver is gone.
+pub async fn watch(src: ManifestsSource, interval: Duration, tx: mpsc::UnboundedSender<Update>) {
     watch_with(src, interval, tx, |_| {}).await
 }
 
@@ -267,7 +363,7 @@ pub async fn watch(src: ManifestsSource, interval: Duration, tx: watch::Sender<A
 pub async fn watch_with(
     mut src: ManifestsSource,
     interval: Duration,
-    tx: watch::Sender<Arc<Objects>>,
+    tx: mpsc::UnboundedSender<Update>,
     mut on_scan: impl FnMut(&ScanOutcome) + Send + 'static,
 ) {
     // `interval` panics on zero; a zero interval would spin anyway.
@@ -279,12 +375,13 @@ pub async fn watch_with(
         // File I/O blocks; keep it off the async workers (DIR may be on a slow mount).
         let scan = tokio::task::spawn_blocking(move || {
             let outcome = src.rescan();
-            (src, outcome)
+            let update = src.take_update();
+            (src, outcome, update)
         });
-        let outcome = match scan.await {
-            Ok((back, outcome)) => {
+        let (outcome, update) = match scan.await {
+            Ok((back, outcome, update)) => {
                 src = back;
-                outcome
+                (outcome, update)
             }
             Err(err) => {
                 tracing::error!(
@@ -295,14 +392,16 @@ pub async fn watch_with(
         };
         report(&mut reported, &outcome.errors);
         on_scan(&outcome);
-        if outcome.changed {
-            let objects = src.objects();
+        if !update.is_empty() {
+            let objects = src.objects_ref();
             tracing::info!(
+                changed = update.events.len(),
+                nodes = update.nodes.is_some(),
                 services = objects.services.len(),
                 slices = objects.slices.len(),
                 "manifests changed"
             );
-            if tx.send(Arc::new(objects)).is_err() {
+            if tx.send(update).is_err() {
                 return;
             }
         }
@@ -829,43 +928,63 @@ fn object_error(at: &Position, object: &str, message: &str) -> ManifestError {
 // ---------------------------------------------------------------------------------
 // Merging
 
-/// Merges every file's good objects in path order, so the last definition of an
-/// object wins; each redefinition is reported.
-fn merge(files: &BTreeMap<PathBuf, FileState>) -> (Objects, Vec<ManifestError>) {
-    let mut objects = Objects::default();
-    let mut defined_at: HashMap<(&'static str, &ObjectKey), Position> = HashMap::new();
-    let mut duplicates = Vec::new();
-    for (path, state) in files {
-        for found in &state.good {
-            let here = Position::new(path, found.line, None);
-            if let Some(first) = defined_at.insert((found.kind(), &found.key), here.clone()) {
-                let object = format!("{} {}", found.kind(), found.key);
-                duplicates.push(ManifestError::Duplicate {
-                    at: here,
-                    first,
-                    object,
-                });
+/// The (kind, key) of each object of a file, as the index knows them.
+fn def_keys(good: &[Found]) -> impl Iterator<Item = (&'static str, &ObjectKey)> {
+    good.iter().map(|found| (found.kind(), &found.key))
+}
+
+/// Puts an object's winning definition (or its absence) into the merged view; returns
+/// whether the merged view changed, and records the key in `pending` if so.
+fn merge_one(
+    merged: &mut Objects,
+    pending: &mut Pending,
+    (kind, key): DefKey,
+    object: Option<&Object>,
+) -> bool {
+    match (kind, object) {
+        (_, Some(Object::Service(svc))) => {
+            if merged.services.get(&key) == Some(&**svc) {
+                return false;
             }
-            match &found.object {
-                Object::Service(service) => {
-                    objects
-                        .services
-                        .insert(found.key.clone(), Service::clone(service));
-                }
-                Object::Slice(slice) => {
-                    objects
-                        .slices
-                        .insert(found.key.clone(), EndpointSlice::clone(slice));
-                }
-                Object::Node(node) => {
-                    objects
-                        .nodes
-                        .insert(found.key.name.clone(), Node::clone(node));
-                }
+            merged.services.insert(key.clone(), Service::clone(svc));
+            pending.services.insert(key);
+        }
+        (_, Some(Object::Slice(slice))) => {
+            if merged.slices.get(&key) == Some(&**slice) {
+                return false;
             }
+            merged
+                .slices
+                .insert(key.clone(), EndpointSlice::clone(slice));
+            pending.slices.insert(key);
+        }
+        (_, Some(Object::Node(node))) => {
+            if merged.nodes.get(&key.name) == Some(&**node) {
+                return false;
+            }
+            merged.nodes.insert(key.name, Node::clone(node));
+            pending.nodes = true;
+        }
+        ("Service", None) => {
+            if merged.services.remove(&key).is_none() {
+                return false;
+            }
+            pending.services.insert(key);
+        }
+        ("EndpointSlice", None) => {
+            if merged.slices.remove(&key).is_none() {
+                return false;
+            }
+            pending.slices.insert(key);
+        }
+        (_, None) => {
+            if merged.nodes.remove(&key.name).is_none() {
+                return false;
+            }
+            pending.nodes = true;
         }
     }
-    (objects, duplicates)
+    true
 }
 
 #[cfg(test)]
@@ -1523,22 +1642,28 @@ metadata:
     #[tokio::test]
     async fn watch_sends_changes() {
         let dir = tempfile::tempdir().unwrap();
-        let (tx, mut rx) = watch::channel(Arc::new(Objects::default()));
+        let (tx, mut rx) = mpsc::unbounded_channel();
         let src = ManifestsSource::new(dir.path().to_owned());
         let task = tokio::spawn(watch(src, Duration::from_millis(10), tx));
         fs::write(dir.path().join("web.yaml"), SERVICE_WEB).unwrap();
-        tokio::time::timeout(Duration::from_secs(5), rx.changed())
+        let update = tokio::time::timeout(Duration::from_secs(5), rx.recv())
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(rx.borrow_and_update().services.len(), 1);
+        assert!(
+            matches!(&update.events[..], [SourceEvent::ServiceApplied(s)] if &*s.name == "web"),
+            "{update:?}"
+        );
 
         fs::remove_file(dir.path().join("web.yaml")).unwrap();
-        tokio::time::timeout(Duration::from_secs(5), rx.changed())
+        let update = tokio::time::timeout(Duration::from_secs(5), rx.recv())
             .await
             .unwrap()
             .unwrap();
-        assert!(rx.borrow_and_update().is_empty());
+        assert!(
+            matches!(&update.events[..], [SourceEvent::ServiceDeleted(k)] if k.name == "web"),
+            "{update:?}"
+        );
 
         drop(rx);
         fs::write(dir.path().join("web.yaml"), SERVICE_WEB).unwrap();

@@ -7,6 +7,7 @@
 //! - [`kube`]: the Kubernetes API through kube-rs watchers.
 
 pub mod compact;
+mod defs;
 pub mod kube;
 pub mod lenient;
 pub mod manifests;

@@ -2,13 +2,15 @@
 //! API server, at scale (docs/benchmarks.md).
 //!
 //! ```text
-//! ferry-bench control-plane [--scale SxE]... [--runs N] [--changes N] [--out DIR]
+//! ferry-bench control-plane [--quick] [--scale SxE]... [--runs N] [--changes N]
+//!                           [--manifest-files N] [--out DIR] [--docs FILE | --no-docs]
 //!                           [--log-level FILTER]
 //! ```
 //!
-//! For each scale (default 10000x10 and 1000x100: S Services `svc-i`, one EndpointSlice
-//! of E endpoints each) the fake API server is loaded once; then `--runs` times a fresh
-//! bpffs directory, cgroup and agent (host network namespace, `--node-ip 192.0.2.1`):
+//! For each scale (default 10000x10, 30000x4 and 100000x4: S Services `svc-i`, one
+//! EndpointSlice of E endpoints each) the fake API server is loaded once; then `--runs`
+//! times a fresh bpffs directory, cgroup, veth pair (the agent's `--devices`) and agent
+//! (host network namespace, `--node-ip 192.0.2.1`):
 //!
 //! - full sync: from spawning `ferry agent` to `/healthz` answering 200 (polled every
 //!   5 ms), with the phases from the agent's own log timestamps;
@@ -18,9 +20,16 @@
 //!   ~25 µs sleeps);
 //! - the agent's peak RSS (`VmHWM`) after the sync and at the end.
 //!
-//! Prints one table and writes `DIR/control-plane.json` (default `target/bench`) and
-//! the agent logs next to it. Everything it creates (agents, pins, cgroups) is removed
-//! when it ends, also on failure and on Ctrl-C.
+//! Then the same objects through `--manifests` (unless `--manifest-files 0`): written
+//! into N JSON files, the same full syncs, and single changes made by rewriting the one
+//! file that holds the changed slice, timed from the write to the map (the agent's 200 ms
+//! poll included).
+//!
+//! Prints the tables, writes them between the `bench:control-plane` markers of
+//! docs/benchmarks.md (unless `--no-docs`), and writes `DIR/control-plane.json` (default
+//! `target/bench`) and the agent logs next to it. Everything it creates (agents, pins,
+//! cgroups, veth pairs, manifest files) is removed when it ends, also on failure and on
+//! Ctrl-C.
 
 use std::{
     fs,
@@ -45,14 +54,15 @@ use serde_json::{Value, json};
 
 use crate::util::{machine, median, min_max, percentile, revision};
 
-const USAGE: &str = "usage: ferry-bench control-plane [--scale SxE]... [--runs N] [--changes N] [--out DIR] [--log-level FILTER]";
+const USAGE: &str = "usage: ferry-bench control-plane [--quick] [--scale SxE]... [--runs N] [--changes N] [--manifest-files N] [--out DIR] [--docs FILE | --no-docs] [--log-level FILTER]";
 
 /// Targets from the issue.
 const TARGET_FULL_SYNC: Duration = Duration::from_secs(2);
 const TARGET_CHANGE_P50: Duration = Duration::from_millis(10);
 const TARGET_RSS_KIB: u64 = 64 * 1024;
 
-/// Map capacity flags: 10k x (1 + 10) = 110k service entries fit with room.
+/// Map capacity flags, at least: 10k x (1 + 10) = 110k service entries fit with room.
+/// Larger scales get the next power of two above 1.25x their entries ([`capacity`]).
 const MAX_SERVICES: u32 = 262_144;
 const MAX_BACKENDS: u32 = 262_144;
 const NODE_NAME: &str = "bench-node";
@@ -63,6 +73,12 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(120);
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Quiet time between two changes, so each one is measured on an idle agent.
 const CHANGE_GAP: Duration = Duration::from_millis(50);
+/// Through the manifests source: how long one changed file may take to show.
+const MANIFEST_CHANGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The target for one changed manifest file, the poll included.
+const TARGET_MANIFEST_CHANGE: Duration = Duration::from_millis(300);
+/// Program-from-empty through the manifests, against the API source's.
+const TARGET_MANIFEST_SYNC_RATIO: f64 = 2.0;
 
 #[derive(Clone, Copy, Debug)]
 struct Scale {
@@ -74,6 +90,16 @@ impl Scale {
     fn label(&self) -> String {
         format!("{}x{}", self.services, self.endpoints)
     }
+
+    /// (`--max-services`, `--max-backends`) for this scale: S x (1 + E) service-map
+    /// entries and S x E backends, with room.
+    fn capacity(&self) -> (u32, u32) {
+        let room = |n: usize| ((n + n / 4).next_power_of_two() as u32).max(MAX_SERVICES);
+        (
+            room(self.services * (1 + self.endpoints)),
+            room(self.services * self.endpoints).max(MAX_BACKENDS),
+        )
+    }
 }
 
 struct Args {
@@ -82,6 +108,12 @@ struct Args {
     changes: usize,
     out: PathBuf,
     log_level: String,
+    /// Files the manifests scenario spreads each scale over; 0 skips it.
+    manifest_files: usize,
+    /// The file whose `control-plane` section gets the tables (`None`: `--no-docs`).
+    docs: Option<PathBuf>,
+    /// `--quick`: one run of 10000x10 with 20 changes (its rows say so).
+    quick: bool,
 }
 
 fn parse_args(argv: &[String]) -> Result<Args, String> {
@@ -92,6 +124,9 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         changes: 60,
         out: Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench"),
         log_level: "info".into(),
+        manifest_files: 32,
+        docs: Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/benchmarks.md")),
+        quick: false,
     };
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -111,9 +146,27 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
             "--changes" => a.changes = value()?.parse().map_err(|e| format!("--changes: {e}"))?,
             "--out" => a.out = value()?.into(),
             "--log-level" => a.log_level = value()?,
+            "--manifest-files" => {
+                a.manifest_files = value()?
+                    .parse()
+                    .map_err(|e| format!("--manifest-files: {e}"))?
+            }
+            "--docs" => a.docs = Some(value()?.into()),
+            "--no-docs" => a.docs = None,
+            "--quick" => {
+                a.quick = true;
+                a.runs = 1;
+                a.changes = 20;
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown flag {other}")),
         }
+    }
+    if a.scales.is_empty() && a.quick {
+        a.scales = vec![Scale {
+            services: 10_000,
+            endpoints: 10,
+        }];
     }
     if a.scales.is_empty() {
         a.scales = vec![
@@ -122,8 +175,12 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
                 endpoints: 10,
             },
             Scale {
-                services: 1_000,
-                endpoints: 100,
+                services: 30_000,
+                endpoints: 4,
+            },
+            Scale {
+                services: 100_000,
+                endpoints: 4,
             },
         ];
     }
@@ -141,6 +198,7 @@ struct Active {
     agent: Option<i32>,
     bpffs: PathBuf,
     cgroup: PathBuf,
+    device: String,
 }
 
 static ACTIVE: Mutex<Vec<Active>> = Mutex::new(Vec::new());
@@ -155,7 +213,7 @@ impl Drop for WorkDir {
     }
 }
 
-fn teardown(agent: Option<i32>, bpffs: &Path, cgroup: &Path) {
+fn teardown(agent: Option<i32>, bpffs: &Path, cgroup: &Path, device: &str) {
     if let Some(pid) = agent {
         // SAFETY: signalling the agent this benchmark started.
         unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -168,6 +226,10 @@ fn teardown(agent: Option<i32>, bpffs: &Path, cgroup: &Path) {
         .stderr(Stdio::null())
         .status();
     let _ = fs::remove_dir(bpffs);
+    let _ = Command::new("ip")
+        .args(["link", "del", device])
+        .stderr(Stdio::null())
+        .status();
     for _ in 0..100 {
         if fs::remove_dir(cgroup).is_ok() || !cgroup.exists() {
             break;
@@ -181,7 +243,7 @@ fn teardown(agent: Option<i32>, bpffs: &Path, cgroup: &Path) {
 pub(crate) fn on_signal() {
     let active = ACTIVE.lock().unwrap_or_else(|e| e.into_inner());
     for a in active.iter() {
-        teardown(a.agent, &a.bpffs, &a.cgroup);
+        teardown(a.agent, &a.bpffs, &a.cgroup, &a.device);
     }
     if let Some(w) = WORKDIR.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
         let _ = fs::remove_dir_all(w);
@@ -191,10 +253,21 @@ pub(crate) fn on_signal() {
 // ---------------------------------------------------------------------------------------
 // One agent run: bpffs directory, cgroup, agent process.
 
+/// Where the agent reads the cluster from.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// The fake API server, through this kubeconfig.
+    Kube(&'a Path),
+    /// A directory of manifests (`--manifests`).
+    Manifests(&'a Path),
+}
+
 struct Env {
     id: u64,
     bpffs: PathBuf,
     cgroup: PathBuf,
+    /// A veth device of the benchmark's own for the agent's `--devices`.
+    device: String,
     log: PathBuf,
     agent: Option<Child>,
     health: u16,
@@ -214,16 +287,37 @@ impl Env {
         let _ = fs::remove_dir(&cgroup);
         fs::create_dir_all(&cgroup)
             .map_err(|e| format!("creating cgroup {}: {e}", cgroup.display()))?;
+        // The agent runs in this network namespace: its tc hooks go on a veth pair of
+        // the benchmark's own (this kernel has no dummy devices), never on the
+        // machine's interfaces. Deleting one end removes both.
+        let device = format!("fbcp{}x{id}", std::process::id() % 100_000);
+        let peer = format!("fbcq{}x{id}", std::process::id() % 100_000);
         ACTIVE.lock().unwrap().push(Active {
             id,
             agent: None,
             bpffs: bpffs.clone(),
             cgroup: cgroup.clone(),
+            device: device.clone(),
         });
+        let ok = Command::new("ip")
+            .args([
+                "link", "add", &device, "type", "veth", "peer", "name", &peer,
+            ])
+            .status()
+            .is_ok_and(|s| s.success())
+            && Command::new("ip")
+                .args(["link", "set", &device, "up"])
+                .status()
+                .is_ok_and(|s| s.success());
+        if !ok {
+            teardown(None, &bpffs, &cgroup, &device);
+            return Err(format!("creating the veth pair {device}/{peer} failed"));
+        }
         Ok(Env {
             id,
             bpffs,
             cgroup,
+            device,
             log,
             agent: None,
             health: 0,
@@ -231,7 +325,12 @@ impl Env {
     }
 
     /// Spawns the agent; returns when it is spawned (not ready).
-    fn spawn_agent(&mut self, kubeconfig: &Path, log_level: &str) -> Result<(), String> {
+    fn spawn_agent(
+        &mut self,
+        source: Source<'_>,
+        capacity: (u32, u32),
+        log_level: &str,
+    ) -> Result<(), String> {
         self.health = free_port()?;
         let metrics = free_port()?;
         let log =
@@ -249,22 +348,26 @@ impl Env {
             }
             None => Command::new(bin("ferry")),
         };
-        cmd.arg("agent")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .arg("--cgroup")
+        cmd.arg("agent");
+        match source {
+            Source::Kube(kubeconfig) => cmd.arg("--kubeconfig").arg(kubeconfig),
+            Source::Manifests(dir) => cmd.arg("--manifests").arg(dir),
+        };
+        cmd.arg("--cgroup")
             .arg(&self.cgroup)
             .arg("--bpffs")
             .arg(&self.bpffs)
             .args(["--node-name", NODE_NAME, "--node-ip", NODE_IP])
+            .arg("--devices")
+            .arg(&self.device)
             .arg("--health-addr")
             .arg(format!("127.0.0.1:{}", self.health))
             .arg("--metrics-addr")
             .arg(format!("127.0.0.1:{metrics}"))
             .arg("--max-services")
-            .arg(MAX_SERVICES.to_string())
+            .arg(capacity.0.to_string())
             .arg("--max-backends")
-            .arg(MAX_BACKENDS.to_string())
+            .arg(capacity.1.to_string())
             .env("RUST_LOG", log_level)
             .env_remove("KUBERNETES_SERVICE_HOST")
             .stdin(Stdio::null())
@@ -364,7 +467,7 @@ impl Drop for Env {
             let _ = c.kill();
             let _ = c.wait();
         }
-        teardown(None, &self.bpffs, &self.cgroup);
+        teardown(None, &self.bpffs, &self.cgroup, &self.device);
         ACTIVE
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -600,11 +703,11 @@ struct Sync {
 }
 
 /// Starts the agent and waits for /healthz 200, sampling its RSS meanwhile.
-fn full_sync(env: &mut Env, kubeconfig: &Path, args: &Args, scale: Scale) -> Result<Sync, String> {
+fn full_sync(env: &mut Env, source: Source<'_>, args: &Args, scale: Scale) -> Result<Sync, String> {
     let fake_cpu0 = fakeapi_cpu_seconds();
     let t0_wall = now_us();
     let t0 = Instant::now();
-    env.spawn_agent(kubeconfig, &args.log_level)?;
+    env.spawn_agent(source, scale.capacity(), &args.log_level)?;
     let mut rss_samples: Vec<(f64, u64)> = Vec::new();
     let healthz = loop {
         let pid = env.pid();
@@ -715,6 +818,25 @@ struct Changes {
     lost: usize,
 }
 
+/// Change `i` to a slice: even ones add an endpoint, odd ones remove one (or add, on an
+/// empty slice). Returns (added, the new endpoint count).
+fn edit_endpoints(slice: &mut Value, i: usize) -> Result<(bool, u16), String> {
+    let eps = slice["endpoints"]
+        .as_array_mut()
+        .ok_or("slice without endpoints")?;
+    let add = i % 2 == 0 || eps.is_empty();
+    if add {
+        let ip = Ipv4Addr::new(10, 200, (i / 250) as u8, (i % 250) as u8 + 1);
+        eps.push(json!({
+            "addresses": [ip.to_string()],
+            "conditions": {"ready": true, "serving": true, "terminating": false},
+        }));
+    } else {
+        eps.pop();
+    }
+    Ok((add, eps.len() as u16))
+}
+
 /// `n` single-endpoint changes, each on another Service: even ones add an endpoint, odd
 /// ones remove one.
 fn changes(env: &Env, api: &FakeApi, scale: Scale, n: usize) -> Result<Changes, String> {
@@ -741,20 +863,7 @@ fn changes(env: &Env, api: &FakeApi, scale: Scale, n: usize) -> Result<Changes, 
         let mut slice = api
             .get(Kind::EndpointSlice, "default", &name)
             .ok_or_else(|| format!("EndpointSlice {name} missing"))?;
-        let eps = slice["endpoints"]
-            .as_array_mut()
-            .ok_or("slice without endpoints")?;
-        let add = i % 2 == 0 || eps.is_empty();
-        if add {
-            let ip = Ipv4Addr::new(10, 200, (i / 250) as u8, (i % 250) as u8 + 1);
-            eps.push(json!({
-                "addresses": [ip.to_string()],
-                "conditions": {"ready": true, "serving": true, "terminating": false},
-            }));
-        } else {
-            eps.pop();
-        }
-        let want = eps.len() as u16;
+        let (add, want) = edit_endpoints(&mut slice, i)?;
         if want == before.count {
             return Err(format!("svc-{k}: change would not alter the count"));
         }
@@ -924,7 +1033,7 @@ fn run_scale(args: &Args, scale: Scale, workdir: &Path) -> Result<Value, String>
             .join("control-plane-logs")
             .join(format!("{label}-run{}.log", r + 1));
         let mut env = Env::new(&format!("{label}-{}", r + 1), log)?;
-        let s = full_sync(&mut env, &kubeconfig, args, scale)?;
+        let s = full_sync(&mut env, Source::Kube(&kubeconfig), args, scale)?;
         eprintln!(
             "   run {}: /healthz 200 after {:.0} ms (agent sync {} ms), VmHWM {} MiB",
             r + 1,
@@ -989,6 +1098,12 @@ fn run_scale(args: &Args, scale: Scale, workdir: &Path) -> Result<Value, String>
         .iter()
         .copied()
         .fold(final_hwm as f64, f64::max) as u64;
+    drop(api);
+    let manifests = if args.manifest_files > 0 {
+        Some(run_manifests(args, scale, workdir)?)
+    } else {
+        None
+    };
     Ok(json!({
         "scale": label,
         "services": scale.services,
@@ -1008,6 +1123,237 @@ fn run_scale(args: &Args, scale: Scale, workdir: &Path) -> Result<Value, String>
         },
         "changes": change_result,
         "peak_rss_kib": peak_hwm,
+        "runs": runs,
+        "manifests": manifests,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------
+// The manifests source at the same scale
+
+/// The scale's objects spread over `files` JSON files (`kind: List`, Services in order,
+/// each followed by its slice), kept in memory so that one file can be rewritten.
+struct ManifestFiles {
+    dir: PathBuf,
+    items: Vec<Vec<Value>>,
+    /// Service i -> (file, index of its EndpointSlice in that file's items).
+    slice_at: Vec<(usize, usize)>,
+}
+
+impl ManifestFiles {
+    fn write_all(dir: &Path, scale: Scale, files: usize) -> Result<ManifestFiles, String> {
+        let _ = fs::remove_dir_all(dir);
+        fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let files = files.clamp(1, scale.services.max(1));
+        let mut m = ManifestFiles {
+            dir: dir.to_path_buf(),
+            items: vec![Vec::new(); files],
+            slice_at: Vec::with_capacity(scale.services),
+        };
+        // generate() yields each Service followed by its one slice.
+        for (n, obj) in generate(scale.services, scale.endpoints)
+            .into_iter()
+            .enumerate()
+        {
+            let i = n / 2;
+            let f = i * files / scale.services;
+            if n % 2 == 1 {
+                m.slice_at.push((f, m.items[f].len()));
+            }
+            m.items[f].push(obj);
+        }
+        for f in 0..files {
+            m.write(f)?;
+        }
+        Ok(m)
+    }
+
+    fn name(f: usize) -> String {
+        format!("services-{f:04}.json")
+    }
+
+    /// Rewrites file `f` atomically (a hidden temporary file, then a rename), as
+    /// `kubectl`-driven tooling or a ConfigMap volume would.
+    fn write(&self, f: usize) -> Result<(), String> {
+        let doc = json!({"apiVersion": "v1", "kind": "List", "items": self.items[f]});
+        let tmp = self.dir.join(format!(".{}.tmp", Self::name(f)));
+        let path = self.dir.join(Self::name(f));
+        fs::write(&tmp, serde_json::to_vec(&doc).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("{}: {e}", tmp.display()))?;
+        fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+/// Like [`changes`], through the manifests: each change rewrites the one file that holds
+/// the Service's slice, timed from the write to the new count in the map (the agent's
+/// 200 ms poll included). The gaps between changes vary, so the changes land at every
+/// phase of the poll.
+fn manifest_changes(
+    env: &Env,
+    files: &mut ManifestFiles,
+    scale: Scale,
+    n: usize,
+) -> Result<Changes, String> {
+    let map = env.services_map()?;
+    // SAFETY: prctl on this thread only.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64, 0u64, 0u64, 0u64) };
+    let mut out = Changes {
+        latencies_ms: Vec::new(),
+        adds_ms: Vec::new(),
+        removes_ms: Vec::new(),
+        delivery_ms: Vec::new(),
+        lost: 0,
+    };
+    for i in 0..n {
+        let k = (i * 7919 + 13) % scale.services;
+        let key = slot0_key(cluster_ip(k));
+        let before = map
+            .get(&key, 0)
+            .map_err(|e| format!("svc-{k} ({}) not in the map: {e}", cluster_ip(k)))?;
+        let (f, at) = files.slice_at[k];
+        let (add, want) = edit_endpoints(&mut files.items[f][at], i)?;
+        if want == before.count {
+            return Err(format!("svc-{k}: change would not alter the count"));
+        }
+        let t = Instant::now();
+        files.write(f)?;
+        let seen = loop {
+            match map.get(&key, 0) {
+                Ok(v) if v.count == want => break Some(t.elapsed()),
+                _ => {}
+            }
+            if t.elapsed() > MANIFEST_CHANGE_TIMEOUT {
+                break None;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        };
+        match seen {
+            Some(d) => {
+                let ms = d.as_secs_f64() * 1000.0;
+                out.latencies_ms.push(ms);
+                if add {
+                    out.adds_ms.push(ms);
+                } else {
+                    out.removes_ms.push(ms);
+                }
+            }
+            None => {
+                out.lost += 1;
+                // Wait for it anyway (bounded), so the next change starts on an idle agent.
+                let t = Instant::now();
+                while t.elapsed() < MANIFEST_CHANGE_TIMEOUT
+                    && map.get(&key, 0).map(|v| v.count).ok() != Some(want)
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+        // 50 ms plus a spread over one poll interval (a fixed gap would always land at
+        // the same phase of the agent's poll).
+        let spread = (i as u64 * 7_919 + 31) % 211;
+        std::thread::sleep(CHANGE_GAP + Duration::from_millis(spread));
+    }
+    Ok(out)
+}
+
+/// The manifests scenario of one scale: `--runs` syncs from an empty node, then, on the
+/// last run, `--changes` single-file changes.
+fn run_manifests(args: &Args, scale: Scale, workdir: &Path) -> Result<Value, String> {
+    let label = scale.label();
+    eprintln!(
+        "   manifests: {} files in {}",
+        args.manifest_files,
+        workdir.display()
+    );
+    let dir = workdir.join(format!("manifests-{label}"));
+    let t = Instant::now();
+    let mut files = ManifestFiles::write_all(&dir, scale, args.manifest_files)?;
+    let write_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let bytes: u64 = fs::read_dir(&dir)
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let mut healthz = Vec::new();
+    let mut agent_sync = Vec::new();
+    let mut peak = 0u64;
+    let mut change_result = None;
+    let mut runs = Vec::new();
+    for r in 0..args.runs {
+        let log = args
+            .out
+            .join("control-plane-logs")
+            .join(format!("{label}-manifests-run{}.log", r + 1));
+        let mut env = Env::new(&format!("{label}-m{}", r + 1), log)?;
+        let s = full_sync(&mut env, Source::Manifests(&dir), args, scale)?;
+        eprintln!(
+            "   manifests run {}: /healthz 200 after {:.0} ms (agent sync {} ms), VmHWM {} MiB",
+            r + 1,
+            s.healthz_ms,
+            s.json["agent_sync_elapsed_ms"],
+            s.json["vm_hwm_kib"].as_u64().unwrap_or(0) / 1024
+        );
+        healthz.push(s.healthz_ms);
+        if let Some(ms) = s.json["agent_sync_elapsed_ms"].as_f64() {
+            agent_sync.push(ms);
+        }
+        peak = peak.max(s.json["vm_hwm_kib"].as_u64().unwrap_or(0));
+        let mut run = s.json;
+        if r + 1 == args.runs && args.changes > 0 {
+            // The source re-reads files younger than its mtime granularity (2 s) on
+            // every poll; measure on settled files, as in steady operation.
+            std::thread::sleep(Duration::from_millis(2500));
+            let log_before = env.log_text().lines().count();
+            let c = manifest_changes(&env, &mut files, scale, args.changes)?;
+            std::thread::sleep(Duration::from_millis(100));
+            let log = env.log_text();
+            let sync_us: Vec<f64> = log
+                .lines()
+                .skip(log_before)
+                .filter(|l| l.contains(" synced "))
+                .filter_map(|l| field_u64(l, "elapsed_us"))
+                .map(|us| us as f64 / 1000.0)
+                .collect();
+            let hwm = proc_status_kib(env.pid(), "VmHWM").unwrap_or(0);
+            peak = peak.max(hwm);
+            let mut sorted = c.latencies_ms.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            eprintln!(
+                "   manifests: {} changes: p50 {:.1} ms, p95 {:.1} ms, max {:.1} ms ({} lost); agent sync p50 {:.2} ms",
+                c.latencies_ms.len(),
+                percentile(&sorted, 50.0),
+                percentile(&sorted, 95.0),
+                sorted.last().copied().unwrap_or(f64::NAN),
+                c.lost,
+                median(&sync_us),
+            );
+            let mut all = dist(&c.latencies_ms);
+            all["p95_ms"] = json!(percentile(&sorted, 95.0));
+            change_result = Some(json!({
+                "all": all,
+                "lost": c.lost,
+                "samples_ms": c.latencies_ms,
+                "agent_sync_ms": dist(&sync_us),
+                "vm_hwm_kib_after": hwm,
+            }));
+        }
+        env.stop_agent();
+        runs.push(run.take());
+        drop(env);
+    }
+    let _ = fs::remove_dir_all(&dir);
+    let (lo, hi) = min_max(&healthz);
+    Ok(json!({
+        "files": args.manifest_files,
+        "bytes": bytes,
+        "write_ms": write_ms,
+        "full_sync": {
+            "healthz_ms": {"median": median(&healthz), "min": lo, "max": hi, "runs": healthz},
+            "agent_sync_elapsed_ms": {"median": median(&agent_sync), "runs": agent_sync},
+        },
+        "changes": change_result,
+        "peak_rss_kib": peak,
         "runs": runs,
     }))
 }
@@ -1029,7 +1375,7 @@ fn verdict(ok: bool) -> &'static str {
     if ok { "met" } else { "MISSED" }
 }
 
-fn report(machine: &Value, results: &[Value]) -> String {
+fn report(machine: &Value, results: &[Value], quick: bool) -> String {
     let mut s = String::new();
     s.push_str(&format!(
         "machine: Linux {}, {} CPUs ({}), {} MiB RAM\n\n",
@@ -1038,6 +1384,9 @@ fn report(machine: &Value, results: &[Value]) -> String {
         machine["cpu"].as_str().unwrap_or("?"),
         machine["mem_total_kib"].as_u64().unwrap_or(0) / 1024
     ));
+    if quick {
+        s.push_str("Quick mode (`--quick`): one run, 20 changes; indicative only.\n\n");
+    }
     s.push_str(
         "| scale | full sync to /healthz, median [min-max] ms | agent's own sync ms | change p50 / p90 / max ms | agent peak RSS MiB |\n\
          |---|---|---|---|---|\n",
@@ -1080,7 +1429,67 @@ fn report(machine: &Value, results: &[Value]) -> String {
             rss as f64 / TARGET_RSS_KIB as f64
         ));
     }
+    let manifests: Vec<&Value> = results
+        .iter()
+        .filter(|r| r["manifests"].is_object())
+        .collect();
+    if !manifests.is_empty() {
+        s.push_str(
+            "\nThe same objects through the manifests source (`--manifests DIR`, JSON `kind: List` files, polled every 200 ms):\n\n\
+             | scale | files | full sync to /healthz, median [min-max] ms | vs the API source | one changed file to the map p50 / p95 / max ms (lost) | agent sync per change p50 ms | agent peak RSS MiB |\n\
+             |---|---|---|---|---|---|---|\n",
+        );
+        for r in &manifests {
+            let m = &r["manifests"];
+            let fs = &m["full_sync"]["healthz_ms"];
+            let c = &m["changes"]["all"];
+            s.push_str(&format!(
+                "| {} | {} ({:.1} MiB) | {} [{}-{}] | {:.2}x | {} / {} / {} ({}) | {} | {:.1} |\n",
+                r["scale"].as_str().unwrap_or("?"),
+                m["files"],
+                m["bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+                fmt_ms(&fs["median"]),
+                fmt_ms(&fs["min"]),
+                fmt_ms(&fs["max"]),
+                manifest_sync_ratio(r),
+                fmt_ms(&c["p50_ms"]),
+                fmt_ms(&c["p95_ms"]),
+                fmt_ms(&c["max_ms"]),
+                m["changes"]["lost"],
+                fmt_ms(&m["changes"]["agent_sync_ms"]["p50_ms"]),
+                m["peak_rss_kib"].as_u64().unwrap_or(0) as f64 / 1024.0
+            ));
+        }
+        s.push_str(&format!(
+            "\ntargets: one changed file in the map within {} ms (p95, the poll included); program-from-empty within {TARGET_MANIFEST_SYNC_RATIO}x the API source's\n",
+            TARGET_MANIFEST_CHANGE.as_millis()
+        ));
+        for r in &manifests {
+            let p95 = r["manifests"]["changes"]["all"]["p95_ms"]
+                .as_f64()
+                .unwrap_or(f64::INFINITY);
+            let lost = r["manifests"]["changes"]["lost"].as_u64().unwrap_or(0);
+            let ratio = manifest_sync_ratio(r);
+            s.push_str(&format!(
+                "{} manifests: one changed file {} ({:.0} ms p95, {lost} lost); full sync {} ({ratio:.2}x the API source)\n",
+                r["scale"].as_str().unwrap_or("?"),
+                verdict(p95 < TARGET_MANIFEST_CHANGE.as_secs_f64() * 1000.0 && lost == 0),
+                p95,
+                verdict(ratio <= TARGET_MANIFEST_SYNC_RATIO),
+            ));
+        }
+    }
     s
+}
+
+/// Program-from-empty through the manifests over the API source's (medians).
+fn manifest_sync_ratio(r: &Value) -> f64 {
+    let m = r["manifests"]["full_sync"]["healthz_ms"]["median"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    m / r["full_sync"]["healthz_ms"]["median"]
+        .as_f64()
+        .unwrap_or(f64::NAN)
 }
 
 pub(crate) fn main(argv: &[String]) -> ExitCode {
@@ -1108,6 +1517,7 @@ pub(crate) fn main(argv: &[String]) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    let t0 = Instant::now();
     let workdir = std::env::temp_dir().join(format!("ferry-bench-{}", std::process::id()));
     *WORKDIR.lock().unwrap() = Some(workdir.clone());
     let scratch = WorkDir(workdir.clone());
@@ -1125,9 +1535,12 @@ pub(crate) fn main(argv: &[String]) -> ExitCode {
     drop(scratch);
     match result {
         Ok((machine, results)) => {
-            println!("{}", report(&machine, &results));
+            let table = report(&machine, &results, args.quick);
+            println!("{table}");
             let doc = json!({
                 "benchmark": "control-plane",
+                "mode": if args.quick { "quick" } else { "full" },
+                "elapsed_s": t0.elapsed().as_secs_f64(),
                 "machine": machine,
                 "revision": revision(),
                 "targets": {
@@ -1138,12 +1551,28 @@ pub(crate) fn main(argv: &[String]) -> ExitCode {
                 "settings": {
                     "runs": args.runs,
                     "changes": args.changes,
-                    "max_services": MAX_SERVICES,
-                    "max_backends": MAX_BACKENDS,
+                    "max_services": args.scales.iter().map(|s| s.capacity().0).collect::<Vec<_>>(),
+                    "max_backends": args.scales.iter().map(|s| s.capacity().1).collect::<Vec<_>>(),
+                    "manifest_files": args.manifest_files,
                     "agent_log_level": args.log_level,
                 },
                 "results": results,
             });
+            if let Some(docs) = &args.docs {
+                let flags = argv.join(" ");
+                let body = format!(
+                    "{}Flags: `{}`.\n\n{table}",
+                    crate::report::header(&doc),
+                    if flags.is_empty() {
+                        "(defaults)"
+                    } else {
+                        flags.as_str()
+                    }
+                );
+                if let Err(e) = crate::report::update_docs(docs, "control-plane", &body) {
+                    eprintln!("ferry-bench: {e}");
+                }
+            }
             let path = args.out.join("control-plane.json");
             match fs::write(
                 &path,
