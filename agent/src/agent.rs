@@ -37,7 +37,7 @@ use crate::{
 
 #[derive(Clone, Debug)]
 pub enum SourceConfig {
-    /// A directory of manifests, rescanned every 200 ms.
+    /// A directory of manifests, rescanned every 100 ms.
     Manifests(PathBuf),
     /// The Kubernetes API: this kubeconfig, or in-cluster config when `None`.
     Kube { kubeconfig: Option<PathBuf> },
@@ -84,7 +84,7 @@ pub enum AgentError {
 
 /// How often the node's addresses are re-read when they are not fixed by `--node-ip`.
 const NODE_ADDR_POLL: Duration = Duration::from_secs(2);
-const MANIFEST_POLL: Duration = Duration::from_millis(200);
+const MANIFEST_POLL: Duration = Duration::from_millis(100);
 /// How soon a sync whose writes failed is retried (kube-proxy resyncs periodically too).
 const RETRY_PERIOD: Duration = Duration::from_secs(5);
 /// A sync waits until the source has been quiet this long, so that a burst of changes

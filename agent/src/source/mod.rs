@@ -3,7 +3,7 @@
 //! A source knows nothing about BPF or about kube-proxy's rules: it reads, validates and
 //! reports objects as [`SourceEvent`]s. The agent keeps the store, coalesces bursts of
 //! events into one sync, and recomputes only the Services an event touched.
-//! - [`manifests`]: a directory of YAML/JSON, rescanned every 200 ms;
+//! - [`manifests`]: a directory of YAML/JSON, rescanned every 100 ms;
 //! - [`kube`]: the Kubernetes API through kube-rs watchers.
 
 pub mod compact;

@@ -22,7 +22,7 @@
 //!
 //! Then the same objects through `--manifests` (unless `--manifest-files 0`): written
 //! into N JSON files, the same full syncs, and single changes made by rewriting the one
-//! file that holds the changed slice, timed from the write to the map (the agent's 200 ms
+//! file that holds the changed slice, timed from the write to the map (the agent's 100 ms
 //! poll included).
 //!
 //! Prints the tables, writes them between the `bench:control-plane` markers of
@@ -1186,7 +1186,7 @@ impl ManifestFiles {
 
 /// Like [`changes`], through the manifests: each change rewrites the one file that holds
 /// the Service's slice, timed from the write to the new count in the map (the agent's
-/// 200 ms poll included). The gaps between changes vary, so the changes land at every
+/// 100 ms poll included). The gaps between changes vary, so the changes land at every
 /// phase of the poll.
 fn manifest_changes(
     env: &Env,
@@ -1435,7 +1435,7 @@ fn report(machine: &Value, results: &[Value], quick: bool) -> String {
         .collect();
     if !manifests.is_empty() {
         s.push_str(
-            "\nThe same objects through the manifests source (`--manifests DIR`, JSON `kind: List` files, polled every 200 ms):\n\n\
+            "\nThe same objects through the manifests source (`--manifests DIR`, JSON `kind: List` files, polled every 100 ms):\n\n\
              | scale | files | full sync to /healthz, median [min-max] ms | vs the API source | one changed file to the map p50 / p95 / max ms (lost) | agent sync per change p50 ms | agent peak RSS MiB |\n\
              |---|---|---|---|---|---|---|\n",
         );
