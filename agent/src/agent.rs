@@ -288,13 +288,11 @@ impl Syncer {
         };
         let (plan, errors) = match self.programmed.as_mut() {
             Some(p) => {
+                // Everything that did not fit is tried again, also a ServicePort that is
+                // programmed in an older state (a change that did not fit keeps what it
+                // had, e.g. a frontend without the endpoints that came later).
                 let mut ids: Vec<ServicePortId> = changes;
-                ids.extend(
-                    self.plan_errors
-                        .keys()
-                        .filter(|id| !p.is_programmed(id))
-                        .cloned(),
-                );
+                ids.extend(self.plan_errors.keys().cloned());
                 ids.sort();
                 ids.dedup();
                 let desired = self.engine.desired();
