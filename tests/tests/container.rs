@@ -913,8 +913,14 @@ fn the_gardener_rendered_daemonset_runs_the_pod_network() {
             Err(r)
         }
     });
-    let tables = sh(&format!("ip netns exec {} nft list tables", w.node_ns));
-    assert!(tables.contains("table ip ferry-podnet"), "{tables}");
+    eventually("the masquerade table", Duration::from_secs(10), || {
+        let tables = sh(&format!("ip netns exec {} nft list tables", w.node_ns));
+        if tables.contains("table ip ferry-podnet") {
+            Ok(())
+        } else {
+            Err(tables)
+        }
+    });
 
     // A pod wired by the installed plugin (its store in the host's /var/lib/ferry is the
     // one the configuration names: run here with the host path).

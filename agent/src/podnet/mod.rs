@@ -184,9 +184,6 @@ impl State {
             Err(e) => problems.push(format!("netlink socket: {e}")),
         }
         self.routes = plan.routes.len();
-        if cfg.fast_path {
-            self.fast_path(cfg, nodes, &plan, &mut problems);
-        }
         // Applied every time (one nft transaction: the table is replaced whole, and NAT
         // already decided for existing connections stays in conntrack), so that a table
         // someone removed comes back; logged only when it changes.
@@ -202,6 +199,10 @@ impl State {
                 }
             }
             Err(e) => problems.push(format!("masquerade: {e}")),
+        }
+        // Last: loading the programs takes a moment, and nothing above waits for it.
+        if cfg.fast_path {
+            self.fast_path(cfg, nodes, &plan, &mut problems);
         }
         let now: std::collections::BTreeSet<String> = problems.into_iter().collect();
         for p in now.difference(&self.reported) {
