@@ -64,18 +64,7 @@ fn pod_network_cluster_each<'a>(test: &str, extra: impl Fn(usize) -> Vec<&'a str
         c.start_agent(n, &args);
     }
     for n in 1..=NODES {
-        let conf = c.cni_dirs(n).0.join("10-ferry.conflist");
-        eventually(
-            &format!("node{n}'s agent writes its CNI configuration"),
-            Duration::from_secs(10),
-            || {
-                if conf.exists() {
-                    Ok(())
-                } else {
-                    Err(c.agent_log(n))
-                }
-            },
-        );
+        wait_conflist(&c, n);
         for s in ["a", "b"] {
             c.add_cni_pod(n, &format!("n{n}{s}"), &[SRV]);
         }
@@ -84,6 +73,22 @@ fn pod_network_cluster_each<'a>(test: &str, extra: impl Fn(usize) -> Vec<&'a str
         wait_routes(&c, n, NODES - 1);
     }
     c
+}
+
+/// Waits for node `n`'s agent to write its CNI configuration.
+fn wait_conflist(c: &Cluster, n: usize) {
+    let conf = c.cni_dirs(n).0.join("10-ferry.conflist");
+    eventually(
+        &format!("node{n}'s agent writes its CNI configuration"),
+        Duration::from_secs(10),
+        || {
+            if conf.exists() {
+                Ok(())
+            } else {
+                Err(c.agent_log(n))
+            }
+        },
+    );
 }
 
 /// ferry's routes on node `n` (`ip route show proto 245`), both families.
@@ -750,18 +755,7 @@ fn the_vxlan_overlay_reaches_a_node_behind_a_router() {
         c.start_agent(n, &args);
     }
     for n in 1..=NODES {
-        let conf = c.cni_dirs(n).0.join("10-ferry.conflist");
-        eventually(
-            &format!("node{n}'s agent writes its CNI configuration"),
-            Duration::from_secs(10),
-            || {
-                if conf.exists() {
-                    Ok(())
-                } else {
-                    Err(c.agent_log(n))
-                }
-            },
-        );
+        wait_conflist(&c, n);
         c.add_cni_pod(n, &format!("n{n}a"), &[SRV]);
         wait_routes(&c, n, NODES - 1);
     }
