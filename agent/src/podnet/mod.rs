@@ -10,8 +10,8 @@
 //!   `--masquerade=false`;
 //! - IP forwarding on, for the families the node has pod CIDRs of;
 //! - the fast path ([`fastpath`], `--pod-network-fast-path`): pod-to-pod packets
-//!   forwarded at tc, past the node's forwarding path; new pods' veths get it within
-//!   [`POD_SCAN`].
+//!   forwarded at tc, past the node's forwarding path; new pods' veths get it when the
+//!   kernel announces them ([`link_events`]), or at the latest within [`POD_SCAN`].
 //!
 //! It runs on its own: fed the cluster's Nodes (from the API or the manifests
 //! directory), it reconciles on every change and every [`RESYNC`] (so that a route, file
@@ -20,6 +20,7 @@
 
 pub mod fastpath;
 pub mod install;
+pub mod link_events;
 pub mod masq;
 pub mod overlay;
 pub mod plan;
@@ -37,8 +38,9 @@ use plan::{NodeLite, PodNetPlan};
 /// (`--pod-network-resync`).
 pub const RESYNC: Duration = Duration::from_secs(30);
 
-/// How often the fast path looks for new pods' veths (a listing of the links; a pod's
-/// first packets take the kernel's path until then).
+/// How often the fast path looks for new pods' veths (a listing of the links) besides
+/// each link notification ([`link_events`]); a pod's first packets take the kernel's path
+/// until its veth is found.
 pub const POD_SCAN: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Debug)]
@@ -81,11 +83,21 @@ pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: S
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut scan = tokio::time::interval(POD_SCAN);
     scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut links = cfg.fast_path.then(open_link_events).flatten();
     loop {
         tokio::select! {
             changed = nodes.changed() => if changed.is_err() { return },
             _ = tick.tick() => {}
             _ = scan.tick() => {
+                state.scan_pods();
+                publish_fast_path(&state, &status);
+                continue;
+            }
+            event = link_event(&mut links) => {
+                if let Err(e) = event {
+                    warn!("pod network: link notifications failed ({e}); new pods' veths are found by the scan every {POD_SCAN:?}");
+                    links = None;
+                }
                 state.scan_pods();
                 publish_fast_path(&state, &status);
                 continue;
@@ -115,6 +127,22 @@ pub async fn run(cfg: PodNetConfig, mut nodes: watch::Receiver<Nodes>, status: S
             s.synced = true;
             s.last_updated = Some(std::time::SystemTime::now());
         }
+    }
+}
+
+fn open_link_events() -> Option<link_events::LinkEvents> {
+    link_events::LinkEvents::open()
+        .map_err(|e| {
+            warn!("pod network: no link notifications ({e}); new pods' veths are found by the scan every {POD_SCAN:?}");
+        })
+        .ok()
+}
+
+/// The next link notification; never, without the subscription.
+async fn link_event(links: &mut Option<link_events::LinkEvents>) -> std::io::Result<()> {
+    match links {
+        Some(l) => l.changed().await,
+        None => std::future::pending().await,
     }
 }
 
