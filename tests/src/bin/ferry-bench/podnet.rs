@@ -88,6 +88,9 @@ pub(crate) struct Args {
     /// `--kernel-path`: the agents run with `--pod-network-fast-path=false`, so pod
     /// traffic takes the kernel's forwarding path (the comparison for the fast path).
     pub(crate) kernel_path: bool,
+    /// `--hold S`: once the paths work, print them and keep everything up for S seconds
+    /// before measuring (to run a profiler or iperf3 by hand against them).
+    pub(crate) hold: Option<u64>,
 }
 
 impl Args {
@@ -106,18 +109,25 @@ impl Args {
             base,
             vxlan: true,
             kernel_path: false,
+            hold: None,
         }
     }
 
-    /// `--rounds R`, `--seconds S`, `--no-vxlan`, `--kernel-path`.
+    /// `--rounds R`, `--seconds S`, `--no-vxlan`, `--kernel-path`, `--hold S`.
     pub(crate) fn parse(&mut self, argv: &[String]) -> Result<(), String> {
-        self.vxlan = !argv.iter().any(|a| a == "--no-vxlan");
-        self.kernel_path = argv.iter().any(|a| a == "--kernel-path");
-        let rest: Vec<String> = argv
-            .iter()
-            .filter(|a| *a != "--no-vxlan" && *a != "--kernel-path")
-            .cloned()
-            .collect();
+        let mut rest = Vec::new();
+        let mut it = argv.iter();
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "--no-vxlan" => self.vxlan = false,
+                "--kernel-path" => self.kernel_path = true,
+                "--hold" => {
+                    let v = it.next().ok_or("--hold needs a number of seconds")?;
+                    self.hold = Some(v.parse().map_err(|e| format!("--hold {v}: {e}"))?);
+                }
+                _ => rest.push(a.clone()),
+            }
+        }
         self.base.parse(&rest)
     }
 }
@@ -627,6 +637,18 @@ pub(crate) fn run(args: &Args) -> Result<(Value, String), String> {
                 )
             })?;
         }
+    }
+
+    if let Some(secs) = args.hold {
+        for v in &variants {
+            let (_, (ns, cg, ip)) = path(v);
+            eprintln!(
+                "   {v}: client namespace {ns}, cgroup {}, server {ip}:{PORT} (iperf3 -s on CPU 1)",
+                cg.display()
+            );
+        }
+        eprintln!("   holding for {secs} s");
+        std::thread::sleep(Duration::from_secs(secs));
     }
 
     let mut results = json!({});
