@@ -22,7 +22,7 @@ use k8s_openapi::{
 use super::ObjectKey;
 
 /// The labels and annotations the model reads; every other one is dropped.
-const KEPT_LABELS: [&str; 3] = [
+pub(super) const KEPT_LABELS: [&str; 3] = [
     "kubernetes.io/service-name",
     "service.kubernetes.io/service-proxy-name",
     "service.kubernetes.io/headless",
@@ -53,7 +53,7 @@ const WORDS: [&str; 15] = [
     "IPv6",
 ];
 
-fn word(s: &str) -> Word {
+pub(super) fn word(s: &str) -> Word {
     match WORDS.iter().find(|w| **w == s) {
         Some(w) => Cow::Borrowed(w),
         None => Cow::Owned(s.to_owned()),
@@ -105,7 +105,7 @@ pub enum Address {
 }
 
 impl Address {
-    fn new(s: &str) -> Address {
+    pub(super) fn new(s: &str) -> Address {
         match s.parse::<IpAddr>() {
             Ok(ip) if ip.to_string() == s => Address::Ip(ip),
             _ => Address::Text(text(s)),

@@ -33,7 +33,7 @@ use futures::{FutureExt, StreamExt, future::BoxFuture};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::lenient::{Kept, Lenient, Unreadable};
+use super::lenient::{Compact, Lean, Lenient, Unreadable};
 use super::{ObjectKey, ServiceLite, SliceLite};
 use kube::api::{Api, ListParams};
 use kube::config::{Config, InClusterError, KubeConfigOptions, Kubeconfig};
@@ -253,8 +253,8 @@ pub async fn run(client: Client, node_name: String, tx: UnboundedSender<SourceEv
             .page_size(PAGE_SIZE)
     };
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    let services: Api<Lenient<Service>> = Api::all(client.clone());
-    let slices: Api<Lenient<EndpointSlice>> = Api::all(client.clone());
+    let services: Api<Lean<Service>> = Api::all(client.clone());
+    let slices: Api<Lean<EndpointSlice>> = Api::all(client.clone());
     let nodes: Api<Lenient<Node>> = Api::all(client);
 
     let mut updates = stream::select_all([
@@ -432,8 +432,8 @@ impl Kind {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Update {
-    Service(watcher::Event<Lenient<Service>>),
-    Slice(watcher::Event<Lenient<EndpointSlice>>),
+    Service(watcher::Event<Lean<Service>>),
+    Slice(watcher::Event<Lean<EndpointSlice>>),
     Node(watcher::Event<Lenient<Node>>),
 }
 
@@ -541,7 +541,7 @@ impl Mapper {
         };
         match update {
             Update::Service(event) => {
-                let change = self.read(kind, event, |s| ServiceLite::from_k8s(&s));
+                let change = self.read(kind, event);
                 match change.and_then(|c| step(&mut self.services, c)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed Services");
@@ -553,7 +553,7 @@ impl Mapper {
                 }
             }
             Update::Slice(event) => {
-                let change = self.read(kind, event, |s| SliceLite::from_k8s(&s));
+                let change = self.read(kind, event);
                 match change.and_then(|c| step(&mut self.slices, c)) {
                     Some(Step::Reset(all)) => {
                         tracing::info!(count = all.len(), "listed EndpointSlices");
@@ -578,7 +578,7 @@ impl Mapper {
                     }
                     event => Some(event),
                 };
-                let change = event.and_then(|e| self.read(kind, e, Some));
+                let change = event.and_then(|e| self.read(kind, e));
                 match change.and_then(|c| step(&mut self.nodes, c)) {
                     Some(Step::Reset(all)) => {
                         let node = all.into_iter().next();
@@ -615,12 +615,7 @@ impl Mapper {
     /// The event with its object read and converted; `None` when there is nothing to
     /// pass on: an object without a name, or one that cannot be read (reported here;
     /// see the module docs for what happens to it).
-    fn read<K: Kept, L>(
-        &mut self,
-        kind: Kind,
-        event: watcher::Event<Lenient<K>>,
-        convert: impl FnOnce(K) -> Option<L>,
-    ) -> Option<Change<L>> {
+    fn read<W: Watched>(&mut self, kind: Kind, event: watcher::Event<W>) -> Option<Change<W::Out>> {
         let unreadable = &mut self.unreadable[kind as usize];
         let (object, initial) = match event {
             watcher::Event::Init => {
@@ -637,12 +632,13 @@ impl Mapper {
             watcher::Event::InitApply(object) => (object, true),
             watcher::Event::Apply(object) => (object, false),
         };
-        match object.0 {
-            Ok(object) => {
-                if let Some(key) = ObjectKey::from_meta(object.meta()) {
+        let key = ObjectKey::from_meta(object.meta());
+        match object.read() {
+            Ok(lite) => {
+                if let Some(key) = key {
                     unreadable.remove(&key);
                 }
-                let lite = convert(object)?;
+                let lite = lite?;
                 Some(if initial {
                     Change::InitApply(lite)
                 } else {
@@ -654,6 +650,28 @@ impl Mapper {
                 None
             }
         }
+    }
+}
+
+/// A watched object as the watcher yields it: Services and slices already compact
+/// ([`Lean`]), the Node as a typed object ([`Lenient`]).
+trait Watched: Resource<DynamicType = ()> {
+    type Out;
+    /// The object (`None` without a name), or why it cannot be read.
+    fn read(self) -> Result<Option<Self::Out>, Box<Unreadable>>;
+}
+
+impl<K: Compact> Watched for Lean<K> {
+    type Out = K::Lite;
+    fn read(self) -> Result<Option<K::Lite>, Box<Unreadable>> {
+        self.object
+    }
+}
+
+impl Watched for Lenient<Node> {
+    type Out = Node;
+    fn read(self) -> Result<Option<Node>, Box<Unreadable>> {
+        self.0.map(Some)
     }
 }
 
@@ -780,8 +798,12 @@ mod tests {
         })
     }
 
-    fn svc(name: &str) -> Lenient<Service> {
-        Lenient::from_value(json!({
+    fn lean<K: Compact>(v: Value) -> Lean<K> {
+        Lean::from_text(&v.to_string()).unwrap()
+    }
+
+    fn svc(name: &str) -> Lean<Service> {
+        lean(json!({
             "metadata": meta(name),
             "spec": {"ports": [{"port": 80}]},
             "status": {"conditions": [{"type": "x", "lastTransitionTime": null}]},
@@ -789,16 +811,16 @@ mod tests {
     }
 
     /// A Service the typed model rejects in a field ferry reads.
-    fn bad_svc(name: &str) -> Lenient<Service> {
-        Lenient::from_value(json!({"metadata": meta(name), "spec": {"ports": "80"}}))
+    fn bad_svc(name: &str) -> Lean<Service> {
+        lean(json!({"metadata": meta(name), "spec": {"ports": "80"}}))
     }
 
-    fn slice(name: &str) -> Lenient<EndpointSlice> {
-        Lenient::from_value(json!({"metadata": meta(name), "addressType": "IPv4", "endpoints": []}))
+    fn slice(name: &str) -> Lean<EndpointSlice> {
+        lean(json!({"metadata": meta(name), "addressType": "IPv4", "endpoints": []}))
     }
 
-    fn bad_slice(name: &str) -> Lenient<EndpointSlice> {
-        Lenient::from_value(json!({"metadata": meta(name), "addressType": "IPv4", "endpoints": {}}))
+    fn bad_slice(name: &str) -> Lean<EndpointSlice> {
+        lean(json!({"metadata": meta(name), "addressType": "IPv4", "endpoints": {}}))
     }
 
     fn node(name: &str) -> Lenient<Node> {

@@ -27,6 +27,10 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
+use serde_json::value::RawValue;
+
+use super::wire::{self, Decoded};
+use super::{ServiceLite, SliceLite};
 
 use super::compact::TRIGGER_TIME;
 
@@ -244,25 +248,32 @@ impl<'de, K: Kept> Deserialize<'de> for Lenient<K> {
     }
 }
 
+/// The kind, group, version and plural of a wrapper: those of the object it wraps.
+macro_rules! names_of {
+    ($k:ident) => {
+        fn kind(dt: &()) -> Cow<'_, str> {
+            $k::kind(dt)
+        }
+
+        fn group(dt: &()) -> Cow<'_, str> {
+            $k::group(dt)
+        }
+
+        fn version(dt: &()) -> Cow<'_, str> {
+            $k::version(dt)
+        }
+
+        fn plural(dt: &()) -> Cow<'_, str> {
+            $k::plural(dt)
+        }
+    };
+}
+
 impl<K: Kept> kube::Resource for Lenient<K> {
     type DynamicType = ();
     type Scope = K::Scope;
 
-    fn kind(dt: &()) -> Cow<'_, str> {
-        K::kind(dt)
-    }
-
-    fn group(dt: &()) -> Cow<'_, str> {
-        K::group(dt)
-    }
-
-    fn version(dt: &()) -> Cow<'_, str> {
-        K::version(dt)
-    }
-
-    fn plural(dt: &()) -> Cow<'_, str> {
-        K::plural(dt)
-    }
+    names_of!(K);
 
     fn meta(&self) -> &ObjectMeta {
         match &self.0 {
@@ -276,6 +287,125 @@ impl<K: Kept> kube::Resource for Lenient<K> {
             Ok(object) => object.meta_mut(),
             Err(unreadable) => &mut unreadable.meta,
         }
+    }
+}
+
+/// A kind ferry keeps compact ([`super::compact`]), and how to read one from JSON text
+/// straight into that form ([`super::wire`]).
+pub trait Compact: Kept {
+    type Lite;
+    /// `None` when the lenient decoder must decide.
+    fn fast(text: &str) -> Option<Decoded<Self::Lite>>;
+    /// `None` when the object has no name (never stored).
+    fn lite(&self) -> Option<Self::Lite>;
+}
+
+impl Compact for Service {
+    type Lite = ServiceLite;
+    fn fast(text: &str) -> Option<Decoded<ServiceLite>> {
+        wire::service(text)
+    }
+    fn lite(&self) -> Option<ServiceLite> {
+        ServiceLite::from_k8s(self)
+    }
+}
+
+impl Compact for EndpointSlice {
+    type Lite = SliceLite;
+    fn fast(text: &str) -> Option<Decoded<SliceLite>> {
+        wire::slice(text)
+    }
+    fn lite(&self) -> Option<SliceLite> {
+        SliceLite::from_k8s(self)
+    }
+}
+
+/// A watched Service or EndpointSlice already in its compact form, or why it cannot be
+/// read: what [`Lenient`] gives, converted, without building a `Value` and a typed
+/// object for each of them (the fast path of [`super::wire`]; only an object it does not
+/// read the same way goes through [`Lenient`]). A list page then holds its text and the
+/// compact objects only.
+///
+/// It needs serde_json's own deserializer (the object's text is taken as it is): kube-rs
+/// decodes list pages and watch lines with it, and the API server writes a watch line's
+/// `type` before its `object`, so the object is never buffered first.
+pub struct Lean<K: Compact> {
+    /// Name, namespace and resourceVersion: what the watcher and the source read.
+    pub meta: ObjectMeta,
+    /// The compact object (`None` without a name), or why it cannot be read.
+    pub object: Result<Option<K::Lite>, Box<Unreadable>>,
+}
+
+impl<K: Compact> Lean<K> {
+    pub fn from_text(text: &str) -> Result<Lean<K>, serde_json::Error> {
+        if let Some((meta, object)) = K::fast(text) {
+            return Ok(Lean {
+                meta,
+                object: Ok(object),
+            });
+        }
+        let Lenient(read) = Lenient::<K>::from_value(serde_json::from_str(text)?);
+        Ok(match read {
+            Ok(k) => Lean {
+                meta: ObjectMeta {
+                    name: k.meta().name.clone(),
+                    namespace: k.meta().namespace.clone(),
+                    resource_version: k.meta().resource_version.clone(),
+                    ..ObjectMeta::default()
+                },
+                object: Ok(k.lite()),
+            },
+            Err(e) => Lean {
+                meta: e.meta.clone(),
+                object: Err(e),
+            },
+        })
+    }
+}
+
+impl<K: Compact> Clone for Lean<K>
+where
+    K::Lite: Clone,
+{
+    fn clone(&self) -> Self {
+        Lean {
+            meta: self.meta.clone(),
+            object: self.object.clone(),
+        }
+    }
+}
+
+impl<K: Compact> fmt::Debug for Lean<K>
+where
+    K::Lite: fmt::Debug,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lean")
+            .field("meta", &self.meta)
+            .field("object", &self.object)
+            .finish()
+    }
+}
+
+impl<'de, K: Compact> Deserialize<'de> for Lean<K> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = Box::<RawValue>::deserialize(deserializer)?;
+        Lean::from_text(raw.get()).map_err(serde::de::Error::custom)
+    }
+}
+
+impl<K: Compact> kube::Resource for Lean<K> {
+    type DynamicType = ();
+    type Scope = K::Scope;
+
+    names_of!(K);
+
+    fn meta(&self) -> &ObjectMeta {
+        &self.meta
+    }
+
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.meta
     }
 }
 
@@ -430,5 +560,42 @@ mod tests {
             {"metadata":{"name":"b"},"status":{"conditions":[{"lastTransitionTime":null}]}}]}"#;
         let list: kube::core::ObjectList<Lenient<Service>> = serde_json::from_str(list).unwrap();
         assert!(list.items[0].0.is_err() && list.items[1].0.is_ok());
+    }
+
+    #[test]
+    fn lean_objects_decode_from_list_pages_and_watch_lines() {
+        let list = r#"{"metadata":{"resourceVersion":"9"},"items":[
+            {"metadata":{"name":"a","resourceVersion":"3"},"spec":{"ports":"x"}},
+            {"metadata":{"name":"b","resourceVersion":"4"},"spec":{"ports":[null,{"port":80}]}},
+            {"metadata":{"name":"c","resourceVersion":"5"},"spec":{"ports":[{"port":81}]}}]}"#;
+        let list: kube::core::ObjectList<Lean<Service>> = serde_json::from_str(list).unwrap();
+        let err = list.items[0].object.as_ref().unwrap_err();
+        assert_eq!(
+            (
+                err.field.as_str(),
+                list.items[0].meta.resource_version.as_deref()
+            ),
+            ("spec.ports", Some("3"))
+        );
+        // Read the lenient way (a null in a list), and the fast way.
+        for (item, port) in list.items[1..].iter().zip([80, 81]) {
+            let svc = item.object.as_ref().unwrap().as_ref().unwrap();
+            assert_eq!(svc.spec.as_ref().unwrap().ports[0].port, port);
+            assert!(item.meta.resource_version.is_some());
+        }
+        let line = r#"{"type":"MODIFIED","object":{"metadata":{"name":"s","resourceVersion":"9"},"addressType":"IPv4","endpoints":[{"addresses":["10.0.0.1"]}]}}"#;
+        let event: kube::core::WatchEvent<Lean<EndpointSlice>> =
+            serde_json::from_str(line).unwrap();
+        let kube::core::WatchEvent::Modified(Lean {
+            meta,
+            object: Ok(Some(slice)),
+        }) = event
+        else {
+            panic!("expected a readable Modified");
+        };
+        assert_eq!(
+            (meta.resource_version.as_deref(), slice.endpoints.len()),
+            (Some("9"), 1)
+        );
     }
 }

@@ -12,6 +12,7 @@ pub mod kube;
 pub mod lenient;
 pub mod manifests;
 pub mod store;
+mod wire;
 
 pub use compact::{ServiceLite, SliceLite};
 use k8s_openapi::api::core::v1::Node;
