@@ -659,23 +659,18 @@ fn start_manifests(
     drop(source.take_update());
     status.lock().expect("status lock").source_errors =
         source::manifests::failing_files(&first.errors);
-    let objects = source.objects_ref();
-    let services = objects
-        .services
-        .values()
-        .filter_map(source::ServiceLite::from_k8s)
-        .collect();
-    let _ = tx.send(SourceEvent::ServicesReset(services));
-    let slices = objects
-        .slices
-        .values()
-        .filter_map(source::SliceLite::from_k8s)
-        .collect();
-    let _ = tx.send(SourceEvent::SlicesReset(slices));
+    let _ = tx.send(SourceEvent::ServicesReset(
+        source.services().cloned().collect(),
+    ));
+    let _ = tx.send(SourceEvent::SlicesReset(source.slices().cloned().collect()));
     let _ = tx.send(SourceEvent::Synced);
     // The first view is always sent, empty or not: the pod network waits for it.
     if let Some(ntx) = &nodes_tx {
-        ntx.send_replace(Arc::new(crate::podnet::nodes_of(objects)));
+        let only_nodes = source::Objects {
+            nodes: source.nodes().clone(),
+            ..Default::default()
+        };
+        ntx.send_replace(Arc::new(crate::podnet::nodes_of(&only_nodes)));
     }
     let send_nodes = move |nodes| {
         if let Some(ntx) = &nodes_tx {
