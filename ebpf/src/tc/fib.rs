@@ -87,10 +87,7 @@ pub(crate) fn lookup(
 #[inline(always)]
 pub(crate) fn redirect(ctx: &TcContext, params: &bpf_fib_lookup, resolved: bool) -> Option<i32> {
     if resolved {
-        let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&params.dmac);
-        macs[6..].copy_from_slice(&params.smac);
-        ctx.store(0, &macs, 0).ok()?;
+        set_macs(ctx, params).ok()?;
         // SAFETY: helper valid for tc programs; returns TC_ACT_REDIRECT or TC_ACT_SHOT.
         let rc = unsafe { bpf_redirect(params.ifindex, 0) };
         return (rc == TC_ACT_REDIRECT as i64).then_some(rc as i32);
@@ -119,6 +116,33 @@ pub(crate) fn redirect(ctx: &TcContext, params: &bpf_fib_lookup, resolved: bool)
         )
     };
     (rc == TC_ACT_REDIRECT as i64).then_some(rc as i32)
+}
+
+/// Writes the next hop's and the egress device's MAC into the Ethernet header: directly
+/// when the header is in the linear part (it always is at tc), else with a store.
+#[inline(always)]
+fn set_macs(ctx: &TcContext, params: &bpf_fib_lookup) -> Result<(), i64> {
+    let data = ctx.data();
+    if data + 12 <= ctx.data_end() {
+        let eth = data as *mut u8;
+        let (d, m) = (params.dmac, params.smac);
+        // Byte by byte: an array copy compiles to a call of `memmove` (a byte loop).
+        // SAFETY: 12 bytes checked against data_end; the verifier's prologue has made a
+        // cloned skb's header private.
+        unsafe {
+            let mut i = 0;
+            while i < 6 {
+                eth.add(i).write(d[i]);
+                eth.add(6 + i).write(m[i]);
+                i += 1;
+            }
+        }
+        return Ok(());
+    }
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&params.dmac);
+    macs[6..].copy_from_slice(&params.smac);
+    ctx.store(0, &macs, 0)
 }
 
 /// Forwards the packet (now `saddr` -> `daddr`) as if it came in on its ingress device:

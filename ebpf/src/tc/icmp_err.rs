@@ -75,7 +75,7 @@ impl Sum {
     }
 
     #[inline(always)]
-    fn addr(&mut self, old: &Addr, new: &Addr) {
+    pub(crate) fn addr(&mut self, old: &Addr, new: &Addr) {
         self.word32(old[0], new[0]);
         self.word32(old[1], new[1]);
         self.word32(old[2], new[2]);
@@ -85,6 +85,18 @@ impl Sum {
     #[inline(always)]
     fn add(&mut self, other: Sum) {
         self.0 = fold(self.0 + other.0);
+    }
+
+    /// No change at all (a sum of `~x + x` folds to 0xffff, negative zero).
+    #[inline(always)]
+    pub(crate) fn is_zero(&self) -> bool {
+        self.0 == 0 || self.0 == 0xffff
+    }
+
+    /// The sum as a checksum difference (`bpf_l3/l4_csum_replace` with size 0).
+    #[inline(always)]
+    pub(crate) fn value(&self) -> u32 {
+        self.0
     }
 
     /// The checksum `csum` (as stored) after the changes summed here.

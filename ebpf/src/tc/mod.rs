@@ -51,7 +51,7 @@ use crate::maps::{
 use ct::{fresh, touch};
 use fib::Route;
 use frag::{FRAG_DIR_EGRESS, FRAG_DIR_INGRESS};
-use nat::{Side, rewrite};
+use nat::{To, translate};
 use parse::{FRAG_FIRST, Pkt, parse};
 
 const OK: i32 = TC_ACT_OK as i32;
@@ -87,13 +87,17 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     // SAFETY: helper without preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
 
-    // 1. A reply to a source-NATed flow (addressed to a node address and SNAT port).
-    s.rkey = ct::pkt_key(&pkt, CT_DIR_REPLY);
-    // SAFETY: plain data read; the copy is taken at once.
-    if let Some(r) = unsafe { CT.get(&s.rkey) } {
-        if r.flags & CT_F_SNAT != 0 {
-            s.reply = *r;
-            return reply_to_client(ctx, &pkt, s, now);
+    // 1. A reply to a source-NATed flow (addressed to a node address and SNAT port):
+    // only a port of the source-NAT range can be one, so other packets (every packet
+    // towards a NodePort) skip the lookup.
+    if is_snat_port(pkt.dport) {
+        s.rkey = ct::pkt_key(&pkt, CT_DIR_REPLY);
+        // SAFETY: plain data read; the copy is taken at once.
+        if let Some(r) = unsafe { CT.get(&s.rkey) } {
+            if r.flags & CT_F_SNAT != 0 {
+                copy_entry(&mut s.reply, r);
+                return reply_to_client(ctx, &pkt, s, now);
+            }
         }
     }
 
@@ -104,13 +108,13 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
         let e = unsafe { &mut *ptr };
         if fresh(e, pkt.proto, now) && (pkt.proto == PROTO_TCP || is_member(e)) {
             touch(e, &pkt, false, now);
-            s.entry = *e;
+            copy_entry(&mut s.entry, e);
             s.route = ROUTE_NONE;
             return forward(ctx, &pkt, s);
         }
         // Expired, or a UDP flow whose backend left the set: free its reply entry (and
         // SNAT port) and select again as for a new flow.
-        s.entry = *e;
+        copy_entry(&mut s.entry, e);
         ct::forget_reply(&s.okey, &s.entry);
     }
 
@@ -150,9 +154,14 @@ fn egress_flow(ctx: &TcContext, pkt: &Pkt) -> i32 {
     // SAFETY: helper without preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     touch_original(&pkt, &r, now);
-    if nat::set_addr(ctx, &pkt, Side::Src, &pkt.saddr, &r.nat_addr).is_err()
-        || nat::set_port(ctx, &pkt, Side::Src, pkt.sport, r.nat_port).is_err()
-    {
+    let to = To {
+        saddr: r.nat_addr,
+        daddr: pkt.daddr,
+        sport: r.nat_port,
+        dport: pkt.dport,
+        ttl: false,
+    };
+    if !translate(ctx, &pkt, &to) {
         return SHOT;
     }
     if pkt.frag == FRAG_FIRST {
@@ -209,9 +218,14 @@ fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32
         Err(verdict) => return verdict,
     };
     let r = &s.reply;
-    if rewrite(ctx, pkt, &r.nat_addr, r.nat_port, &r.snat_addr, r.snat_port).is_err()
-        || nat::dec_ttl(ctx, pkt).is_err()
-    {
+    let to = To {
+        saddr: r.nat_addr,
+        daddr: r.snat_addr,
+        sport: r.nat_port,
+        dport: r.snat_port,
+        ttl: true,
+    };
+    if !translate(ctx, pkt, &to) {
         return SHOT;
     }
     if pkt.frag == FRAG_FIRST {
@@ -284,7 +298,15 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
     } else {
         (&pkt.saddr, pkt.sport)
     };
-    if rewrite(ctx, pkt, saddr, sport, &e.nat_addr, e.nat_port).is_err() {
+    // Forwarded here (source-NATed): the TTL goes down as the stack would have.
+    let to = To {
+        saddr: *saddr,
+        daddr: e.nat_addr,
+        sport,
+        dport: e.nat_port,
+        ttl: snat,
+    };
+    if !translate(ctx, pkt, &to) {
         return SHOT;
     }
     if pkt.frag == FRAG_FIRST {
@@ -295,9 +317,6 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
         // (a local pod, or the host itself).
         return OK;
     }
-    if nat::dec_ttl(ctx, pkt).is_err() {
-        return SHOT;
-    }
     match fib::redirect(ctx, &s.fib, s.route == ROUTE_RESOLVED) {
         Some(v) => v,
         None => {
@@ -305,6 +324,22 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
             SHOT
         }
     }
+}
+
+/// A port (network byte order) the source NAT hands out.
+#[inline(always)]
+fn is_snat_port(port_be: u16) -> bool {
+    let port = u16::from_be(port_be);
+    (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&port)
+}
+
+/// Copies a conntrack entry out of the map. Written as a non-overlapping copy: a plain
+/// assignment between two map values compiles to a call of `memmove`, a byte loop that
+/// cost more than the rest of the known-flow path.
+#[inline(always)]
+fn copy_entry(dst: &mut CtEntry, src: &CtEntry) {
+    // SAFETY: two distinct, aligned entries (a map value and the scratch space).
+    unsafe { core::ptr::copy_nonoverlapping(src as *const CtEntry, dst as *mut CtEntry, 1) }
 }
 
 #[inline(always)]

@@ -13,7 +13,10 @@ use aya_ebpf::{
 };
 use ferry_common::{Addr, lb::PROTO_UDP};
 
-use super::parse::{ETH_HLEN, Pkt};
+use super::{
+    icmp_err::Sum,
+    parse::{ETH_HLEN, Pkt},
+};
 
 /// `bpf_l4_csum_replace` flag (Linux 6.16+): the packet is IPv6, so a pseudo-header
 /// change must not be folded into a CHECKSUM_COMPLETE skb's `csum` (the IPv6 header has
@@ -147,6 +150,153 @@ pub(crate) fn rewrite(
         set_addr(ctx, pkt, Side::Src, &pkt.saddr, saddr)?;
     }
     set_port(ctx, pkt, Side::Src, pkt.sport, sport)
+}
+
+/// What [`translate`] makes of a packet: addresses and ports as the maps store them.
+#[derive(Clone, Copy)]
+pub(crate) struct To {
+    pub(crate) saddr: Addr,
+    pub(crate) daddr: Addr,
+    pub(crate) sport: u16,
+    pub(crate) dport: u16,
+    /// Decrement the TTL / hop limit (the program forwards the packet itself).
+    pub(crate) ttl: bool,
+}
+
+/// Rewrites the packet's destination and source as [`rewrite`] does and, when `to.ttl`,
+/// decrements its TTL as [`dec_ttl`] does (false when it has run out, before anything
+/// is written). Headers in the skb's linear part (always, for packets the stack built or
+/// a NIC received; not for IP options or IPv6 fragment headers) are written directly
+/// with one IPv4 header checksum update computed here and at most two
+/// `bpf_l4_csum_replace` calls; otherwise each field takes a store and its checksum
+/// helpers (they were about a third of the ingress program's time per packet).
+#[inline(always)]
+pub(crate) fn translate(ctx: &TcContext, pkt: &Pkt, to: &To) -> bool {
+    if to.ttl && pkt.ttl <= 1 {
+        return false;
+    }
+    match direct(ctx, pkt, to) {
+        DIRECT_OK => return true,
+        DIRECT_FAILED => return false,
+        _ => {}
+    }
+    rewrite(ctx, pkt, &to.saddr, to.sport, &to.daddr, to.dport).is_ok()
+        && (!to.ttl || dec_ttl(ctx, pkt).is_ok())
+}
+
+const DIRECT_OK: i32 = 0;
+const DIRECT_FAILED: i32 = 1;
+const DIRECT_NOT_LINEAR: i32 = 2;
+
+/// [`translate`] through direct packet access: `DIRECT_OK`, `DIRECT_FAILED`, or
+/// `DIRECT_NOT_LINEAR` when the IP header is not the plain one (IPv4 without options,
+/// IPv6 without extension headers) or the headers up to the ports are not in the linear
+/// part. A call of its own: inlined, its registers spill into the callers' frames, which
+/// the ICMP error path (`icmp::too_big`) adds to.
+#[inline(never)]
+fn direct(ctx: &TcContext, pkt: &Pkt, to: &To) -> i32 {
+    let (hlen, v6_diff) = if pkt.v6 {
+        // The IPv6 address sums take the helper: summed here they spill a frame's worth
+        // of registers.
+        // SAFETY: four 16-byte buffers on the stack.
+        let d = unsafe {
+            bpf_csum_diff(
+                pkt.saddr.as_ptr() as *mut u32,
+                16,
+                to.saddr.as_ptr() as *mut u32,
+                16,
+                0,
+            )
+        };
+        // SAFETY: as above.
+        let d = unsafe {
+            bpf_csum_diff(
+                pkt.daddr.as_ptr() as *mut u32,
+                16,
+                to.daddr.as_ptr() as *mut u32,
+                16,
+                d as u32,
+            )
+        };
+        if d < 0 {
+            return DIRECT_FAILED;
+        }
+        (40, d as u32)
+    } else {
+        (20, 0)
+    };
+    let data = ctx.data();
+    let end = ctx.data_end();
+    let ip = (data + ETH_HLEN as usize) as *mut u8;
+    // Address changes go into the pseudo-header part of the L4 checksum, port changes
+    // into the rest: a CHECKSUM_PARTIAL skb's field holds only the former.
+    let mut pseudo = Sum::new();
+    // Each family checks its own constant length: the verifier then knows every write
+    // below is inside the packet.
+    if pkt.v6 {
+        if pkt.ip_hlen != hlen || data + (ETH_HLEN + 40 + 4) as usize > end {
+            return DIRECT_NOT_LINEAR;
+        }
+        // SAFETY: the IPv6 header and the 4 port bytes after it are inside the packet
+        // (checked above); the verifier's prologue has made a cloned skb's header private.
+        unsafe {
+            if to.ttl {
+                ip.add(7).write(pkt.ttl - 1);
+            }
+            core::ptr::write_unaligned(ip.add(8) as *mut Addr, to.saddr);
+            core::ptr::write_unaligned(ip.add(24) as *mut Addr, to.daddr);
+            core::ptr::write_unaligned(ip.add(40) as *mut [u16; 2], [to.sport, to.dport]);
+        }
+    } else {
+        if pkt.ip_hlen != hlen || data + (ETH_HLEN + 20 + 4) as usize > end {
+            return DIRECT_NOT_LINEAR;
+        }
+        pseudo.word32(pkt.saddr[3], to.saddr[3]);
+        pseudo.word32(pkt.daddr[3], to.daddr[3]);
+        let mut hdr = pseudo;
+        // SAFETY: the IPv4 header (no options) and the 4 port bytes after it are inside
+        // the packet (checked above); the prologue has made a cloned skb's header private.
+        unsafe {
+            if to.ttl {
+                // TTL and protocol are one 16-bit word of the header checksum.
+                let old = core::ptr::read_unaligned(ip.add(8) as *const u16);
+                ip.add(8).write(pkt.ttl - 1);
+                hdr.word(old, core::ptr::read_unaligned(ip.add(8) as *const u16));
+            }
+            core::ptr::write_unaligned(ip.add(12) as *mut u32, to.saddr[3]);
+            core::ptr::write_unaligned(ip.add(16) as *mut u32, to.daddr[3]);
+            let csum = ip.add(10) as *mut u16;
+            core::ptr::write_unaligned(csum, hdr.apply(core::ptr::read_unaligned(csum)));
+            core::ptr::write_unaligned(ip.add(20) as *mut [u16; 2], [to.sport, to.dport]);
+        }
+    }
+    let mut ports = Sum::new();
+    ports.word(pkt.sport, to.sport);
+    ports.word(pkt.dport, to.dport);
+    // The checksum helpers last: they may move the packet data.
+    let csum_off = pkt.l4_csum_off() as usize;
+    let flags = l4_flags(pkt);
+    let r = if pkt.v6 {
+        l4_diff(ctx, csum_off, v6_diff as u64, flags)
+    } else if !pseudo.is_zero() {
+        ctx.l4_csum_replace(
+            csum_off,
+            0,
+            pseudo.value() as u64,
+            flags | BPF_F_PSEUDO_HDR as u64,
+        )
+    } else {
+        Ok(())
+    };
+    if r.is_err()
+        || (!ports.is_zero()
+            && ctx
+                .l4_csum_replace(csum_off, 0, ports.value() as u64, flags)
+                .is_err())
+    {
+        return DIRECT_FAILED;
+    }
+    DIRECT_OK
 }
 
 /// Decrements the TTL / hop limit of a packet the program forwards itself (the stack
