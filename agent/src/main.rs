@@ -141,7 +141,7 @@ struct AgentArgs {
     /// ClientIP affinity map (one entry per external client and ServicePort).
     #[arg(long, default_value_t = 65536, value_parser = clap::value_parser!(u32).range(1..))]
     max_affinity: u32,
-    /// Socket reverse-translation entries (LRU).
+    /// UDP sockets' reverse-translation entries (LRU; TCP uses fixed per-socket slots).
     #[arg(long, default_value_t = 262144, value_parser = clap::value_parser!(u32).range(1..))]
     max_revnat: u32,
     /// tc conntrack entries (LRU; two per flow from outside the node).

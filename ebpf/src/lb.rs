@@ -2,7 +2,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_ktime_get_ns},
 };
 use aya_log_ebpf::warn;
 use ferry_common::{
@@ -35,14 +35,9 @@ pub(crate) enum Verdict {
     Drop,
 }
 
-/// Who is asking, for affinity and stickiness.
-pub(crate) struct Client {
-    /// Network namespace cookie: one per pod, one for the host (ClientIP affinity key).
-    pub(crate) netns: u64,
-    /// Socket cookie when the caller wants per-socket stickiness (unconnected UDP).
-    pub(crate) sticky_socket: Option<u64>,
-}
-
+/// Picks a backend for a Service frontend. `sticky_socket` is the socket cookie when the
+/// caller wants per-socket stickiness (unconnected UDP). The helpers that only affinity
+/// needs (network namespace cookie, clock) run only for a frontend that has it.
 #[inline(always)]
 pub(crate) fn select<C: EbpfContext>(
     ctx: &C,
@@ -50,7 +45,7 @@ pub(crate) fn select<C: EbpfContext>(
     port: u16,
     proto: u8,
     scope: u8,
-    client: &Client,
+    sticky_socket: Option<u64>,
 ) -> Verdict {
     let mut key = ServiceKey {
         addr,
@@ -73,18 +68,19 @@ pub(crate) fn select<C: EbpfContext>(
         count(COUNT_REJECT_NO_ENDPOINTS);
         return Verdict::Reject;
     }
-    let now = unsafe { bpf_ktime_get_ns() };
     let affinity_key = if svc.flags & SVC_F_AFFINITY != 0 {
         Some((
             AffinityKey {
-                client: client.netns,
+                // SAFETY: valid for cgroup sock_addr programs (5.7+). One cookie per
+                // network namespace: one per pod, one for the host.
+                client: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
                 svc_id: svc.svc_id,
                 kind: AFFINITY_KIND_CLIENT,
             },
             svc.affinity_timeout_s as u64 * 1_000_000_000,
         ))
     } else {
-        client.sticky_socket.map(|cookie| {
+        sticky_socket.map(|cookie| {
             (
                 AffinityKey {
                     client: cookie,
@@ -96,6 +92,11 @@ pub(crate) fn select<C: EbpfContext>(
         })
     };
 
+    // SAFETY: helper without preconditions; 0 where nothing remembers a backend.
+    let now = match affinity_key {
+        Some(_) => unsafe { bpf_ktime_get_ns() },
+        None => 0,
+    };
     if let Some((akey, timeout_ns)) = affinity_key {
         if let Some(backend) = remembered_backend(&akey, svc.svc_id, svc.flags, now, timeout_ns) {
             count(COUNT_AFFINITY_HIT);

@@ -38,22 +38,22 @@ pub fn ferry_sendmsg6(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn ferry_recvmsg4(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V4)
+    reverse(&ctx, Family::V4, false)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn ferry_recvmsg6(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V6)
+    reverse(&ctx, Family::V6, false)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn ferry_getpeername4(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V4)
+    reverse(&ctx, Family::V4, true)
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn ferry_getpeername6(ctx: SockAddrContext) -> i32 {
-    reverse(&ctx, Family::V6)
+    reverse(&ctx, Family::V6, true)
 }
 
 /// tcx ingress on node devices: NodePort / externalIP / LoadBalancer traffic from

@@ -12,7 +12,7 @@ use ferry_common::{
     ext::{ClientAffinityKey, MaglevTable, SnatAddrKey, SourceRangeKey},
     lb::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceKey, ServiceValue},
     metrics::{COUNTERS_LEN, SVC_CONNS_MAX_ENTRIES},
-    sock::{RevNatKey, RevNatValue},
+    sock::{RevNatKey, RevNatValue, SockRevNat, TCP_REVNAT_SLOTS},
 };
 
 #[map(name = "FERRY_META")]
@@ -34,6 +34,11 @@ pub(crate) static AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
 #[map(name = "FERRY_REVNAT")]
 pub(crate) static REVNAT: LruHashMap<RevNatKey, RevNatValue> =
     LruHashMap::with_max_entries(262144, 0);
+
+/// TCP sockets' Service address (`TCP_REVNAT_MAP`), one direct-mapped slot per socket
+/// cookie: connect writes it with a plain store (no lock, no allocation).
+#[map(name = "FERRY_TCP_REVNAT")]
+pub(crate) static TCP_REVNAT: Array<SockRevNat> = Array::with_max_entries(TCP_REVNAT_SLOTS, 0);
 
 #[map(name = "FERRY_COUNTERS")]
 pub(crate) static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS_LEN, 0);

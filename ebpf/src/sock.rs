@@ -1,24 +1,26 @@
 //! The cgroup socket hooks: connect, sendmsg, recvmsg and getpeername, both families.
 //!
 //! ClusterIP traffic is translated once per connect (or per datagram for unconnected
-//! UDP), so packets themselves are never rewritten.
+//! UDP), so packets themselves are never rewritten. What a socket dialled is remembered
+//! for getpeername/recvmsg: in a direct-mapped slot per socket cookie for TCP, in the
+//! `FERRY_REVNAT` LRU for UDP.
 
 use aya_ebpf::{
     EbpfContext,
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
 use ferry_common::{
     Addr, addr_from_v4_be, addr_is_v4,
     lb::{PROTO_TCP, PROTO_UDP, SCOPE_LOCAL_ORIGIN},
     metrics::{COUNT_REVNAT, COUNT_REVNAT_FULL, COUNT_XLATE},
-    sock::{RevNatKey, RevNatValue},
+    sock::{RevNatKey, RevNatValue, SockRevNat, TCP_REVNAT_SLOTS},
 };
 
 use crate::{
-    lb::{Client, Verdict, select},
-    maps::{REVNAT, count, count_service},
+    lb::{Verdict, select},
+    maps::{REVNAT, TCP_REVNAT, count, count_service},
 };
 
 const SOCK_STREAM: u32 = 1;
@@ -43,6 +45,16 @@ fn raw(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
     unsafe { &mut *ctx.sock_addr }
 }
 
+/// The context for a store. The verifier refuses a store through a context pointer that
+/// had an offset added earlier, and LLVM likes to keep the address of `user_ip4` from the
+/// read for the write: a volatile reload of the base makes it compute the field address
+/// anew, inside the store instruction.
+#[inline(always)]
+fn raw_for_write(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
+    // SAFETY: as in `raw`; the reload reads the context's own pointer field.
+    unsafe { &mut *core::ptr::read_volatile(&ctx.sock_addr) }
+}
+
 #[inline(always)]
 fn read_addr(ctx: &SockAddrContext, family: Family) -> Addr {
     let sa = raw(ctx);
@@ -62,7 +74,7 @@ fn read_addr(ctx: &SockAddrContext, family: Family) -> Addr {
 /// IPv4 socket: returns false and leaves the context untouched.
 #[inline(always)]
 fn write_addr(ctx: &SockAddrContext, family: Family, addr: &Addr, port_be: u16) -> bool {
-    let sa = raw(ctx);
+    let sa = raw_for_write(ctx);
     match family {
         Family::V4 => {
             if !addr_is_v4(addr) {
@@ -108,14 +120,10 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
     }
     let vip = read_addr(ctx, family);
     let vport = raw(ctx).user_port as u16;
-    // SAFETY: both helpers are valid for cgroup sock_addr programs (5.7+).
+    // SAFETY: valid for cgroup sock_addr programs (5.7+).
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    let client = Client {
-        netns,
-        sticky_socket: if per_datagram { Some(cookie) } else { None },
-    };
-    match select(ctx, vip, vport, proto, SCOPE_LOCAL_ORIGIN, &client) {
+    let sticky = if per_datagram { Some(cookie) } else { None };
+    match select(ctx, vip, vport, proto, SCOPE_LOCAL_ORIGIN, sticky) {
         Verdict::Pass => ALLOW,
         Verdict::Reject => refuse(ECONNREFUSED),
         // A socket hook cannot silently lose a connect: fail it at once with "no route"
@@ -125,19 +133,11 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
             if !write_addr(ctx, family, &backend.addr, backend.port) {
                 return ALLOW;
             }
-            let key = RevNatKey {
-                cookie,
-                addr: backend.addr,
-                port: backend.port,
-                _pad: [0; 6],
+            let stored = match proto {
+                PROTO_TCP => remember_tcp(cookie, &backend.addr, backend.port, vip, vport, svc_id),
+                _ => remember_in_map(cookie, &backend.addr, backend.port, vip, vport, svc_id),
             };
-            let value = RevNatValue {
-                addr: vip,
-                port: vport,
-                _pad: [0; 2],
-                svc_id,
-            };
-            if REVNAT.insert(&key, &value, 0).is_err() {
+            if !stored {
                 count(COUNT_REVNAT_FULL);
             }
             count(COUNT_XLATE);
@@ -147,13 +147,95 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
     }
 }
 
-/// recvmsg4/6 and getpeername4/6: show the application the Service address it dialled.
+/// A TCP connect keeps its Service address in the socket cookie's slot of
+/// `FERRY_TCP_REVNAT`: one plain store into a preallocated array. The LRU insert this
+/// replaced (per-CPU and global list locks, a free-node pop, periodic shrinking) cost
+/// about two thirds of the connect hook; socket storage cost as much (two accounted
+/// allocations per socket). A socket connected again (after a failed connect)
+/// overwrites its slot.
 #[inline(always)]
-pub(crate) fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
+fn remember_tcp(
+    cookie: u64,
+    backend: &Addr,
+    backend_port: u16,
+    vip: Addr,
+    vport: u16,
+    svc_id: u32,
+) -> bool {
+    let Some(slot) = TCP_REVNAT.get_ptr_mut(cookie as u32 & (TCP_REVNAT_SLOTS - 1)) else {
+        return false;
+    };
+    // SAFETY: a slot of a preallocated array. A concurrent writer of the same slot is a
+    // socket created TCP_REVNAT_SLOTS sockets later; the reader checks the cookie.
+    unsafe {
+        *slot = SockRevNat {
+            cookie,
+            backend: *backend,
+            vip,
+            backend_port,
+            vport,
+            svc_id,
+        }
+    };
+    true
+}
+
+/// UDP (connect and every unconnected datagram) keeps its reverse entries in the
+/// `FERRY_REVNAT` LRU, keyed by socket cookie and backend: an unconnected socket can talk
+/// to several Services at once, and connected UDP recovery finds sockets through it. An
+/// entry that already says the same thing is not written again (an LRU update replaces
+/// the element, which costs as much as a new insert).
+#[inline(always)]
+fn remember_in_map(
+    cookie: u64,
+    backend: &Addr,
+    backend_port: u16,
+    vip: Addr,
+    vport: u16,
+    svc_id: u32,
+) -> bool {
+    let key = RevNatKey {
+        cookie,
+        addr: *backend,
+        port: backend_port,
+        _pad: [0; 6],
+    };
+    let value = RevNatValue {
+        addr: vip,
+        port: vport,
+        _pad: [0; 2],
+        svc_id,
+    };
+    // SAFETY: plain data read; the lookup also marks the entry recently used.
+    if let Some(old) = unsafe { REVNAT.get(&key) } {
+        if *old == value {
+            return true;
+        }
+    }
+    REVNAT.insert(&key, &value, 0).is_ok()
+}
+
+/// recvmsg4/6 and getpeername4/6: show the application the Service address it dialled.
+/// `tcp_slots`: look in the TCP sockets' slots first (getpeername; recvmsg hooks run for
+/// UDP only).
+#[inline(always)]
+pub(crate) fn reverse(ctx: &SockAddrContext, family: Family, tcp_slots: bool) -> i32 {
     let addr = read_addr(ctx, family);
     let port = raw(ctx).user_port as u16;
     // SAFETY: valid for cgroup sock_addr programs.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if tcp_slots {
+        if let Some(e) = TCP_REVNAT.get(cookie as u32 & (TCP_REVNAT_SLOTS - 1)) {
+            let e = *e;
+            if e.cookie == cookie && e.backend == addr && e.backend_port == port {
+                if write_addr(ctx, family, &e.vip, e.vport) {
+                    count(COUNT_REVNAT);
+                }
+                return ALLOW;
+            }
+        }
+    }
+    // UDP, and TCP connections made before their agent used the TCP slots.
     let key = RevNatKey {
         cookie,
         addr,

@@ -153,6 +153,11 @@ fn services_far_beyond_the_first_capacity_are_programmed_while_clients_connect()
         o.ok,
         "the established session must survive the growth: {o:?}"
     );
+    assert_eq!(
+        o.peer.as_deref(),
+        Some(format!("{}:80", vip(0)).as_str()),
+        "getpeername of a connection made before the growth: {o:?}"
+    );
     let _ = session.kill();
     let _ = session.wait();
 

@@ -16,6 +16,8 @@ const API_VIP: &str = "10.96.0.11";
 
 /// A `ferry-probe tcp-session` child: one established connection, one line at a time.
 struct Session {
+    /// The Service address dialled: what getpeername must keep reporting.
+    addr: String,
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
@@ -34,6 +36,7 @@ impl Session {
             panic!("tcp-session to {addr}: expected \"connected\", saw {line:?} (stderr: {err})");
         }
         Session {
+            addr: addr.to_string(),
             child,
             stdin,
             stdout,
@@ -65,6 +68,11 @@ impl Session {
             o.reply.as_deref(),
             Some(format!("{backend} {text}").as_str()),
             "{when}: expected the same backend to echo on the established connection"
+        );
+        assert_eq!(
+            o.peer.as_deref(),
+            Some(self.addr.as_str()),
+            "{when}: getpeername on the established connection must still report the Service address"
         );
     }
 }

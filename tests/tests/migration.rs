@@ -112,6 +112,13 @@ fn layout_change_migrates_without_a_gap() {
     out.read_line(&mut line).unwrap();
     let o: Outcome = serde_json::from_str(&line).unwrap();
     assert!(o.ok, "the established session must keep working: {o:?}");
+    // Its Service address lives in the socket's storage map, which the new layout took
+    // over as the same map object.
+    assert_eq!(
+        o.peer.as_deref(),
+        Some("10.96.0.10:80"),
+        "getpeername of a connection made before the migration: {o:?}"
+    );
     let _ = session.kill();
     let _ = session.wait();
 

@@ -21,7 +21,7 @@ use ferry_common::{
     ext::{ClientAffinityKey, MAGLEV_MAP, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, TC_AFFINITY_MAP},
     lb::{AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, MEMBERS_MAP, SERVICES_MAP},
     metrics::COUNTERS_MAP,
-    sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP},
+    sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP, SockRevNat, TCP_REVNAT_MAP},
 };
 use tracing::{info, warn};
 
@@ -55,13 +55,14 @@ pub const GENERATION_MAPS: [&str; 6] = [
 
 /// Maps pinned per layout, in `<bpffs>/v<N>/`. Conntrack is not among them: it is
 /// pinned in `<bpffs>` itself ([`ct_pin`]), so flows survive restarts and migrations.
-pub const ALL_MAPS: [&str; 12] = [
+pub const ALL_MAPS: [&str; 13] = [
     META_MAP,
     SERVICES_MAP,
     BACKENDS_MAP,
     MEMBERS_MAP,
     AFFINITY_MAP,
     SOCK_REVNAT_MAP,
+    TCP_REVNAT_MAP,
     COUNTERS_MAP,
     ferry_common::metrics::SVC_CONNS_MAP,
     MAGLEV_MAP,
@@ -550,7 +551,8 @@ pub fn attach(ebpf: &mut Ebpf, p: &Pending) -> Result<(), LoaderError> {
 
 /// Socket-state maps of an older layout whose entry sizes match this build's: `(name,
 /// pin path)`, for the new layout to reuse as they are. Only when the new layout has not
-/// pinned its own yet.
+/// pinned its own yet. The TCP sockets' slots are carried over only this way (an array
+/// entry is keyed by slot, not by socket, so there is nothing to copy entry by entry).
 fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str, PathBuf)> {
     let sizes = [
         (
@@ -567,6 +569,11 @@ fn shared_socket_maps(dir: &Path, olds: &[(u32, PathBuf)]) -> Vec<(&'static str,
             TC_AFFINITY_MAP,
             std::mem::size_of::<ClientAffinityKey>(),
             std::mem::size_of::<AffinityValue>(),
+        ),
+        (
+            TCP_REVNAT_MAP,
+            std::mem::size_of::<u32>(),
+            std::mem::size_of::<SockRevNat>(),
         ),
     ];
     let mut out = Vec::new();

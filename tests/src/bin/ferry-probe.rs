@@ -10,7 +10,8 @@
 //!   stdin line is sent with sendto and the reply printed, so a test can change the
 //!   Service between datagrams of one socket.
 //! - `ferry-probe tcp-session ADDR`: one connection; each stdin line is sent and its
-//!   reply printed, so a test can prove an established connection keeps working.
+//!   reply printed (with what getpeername says then), so a test can prove an established
+//!   connection keeps working and keeps reporting the Service address.
 //! - `ferry-probe udp-connected-loop ADDR MILLIS`: a resolver-like client for MILLIS ms:
 //!   one connected UDP socket, a query every 50 ms, one line per query (with `seq`, `op`,
 //!   `local` and `t_ms` since start). On any error it closes the socket and connects a new
@@ -236,6 +237,8 @@ fn session(addr: SocketAddr) {
                     Ok(n) if n > 0 => Outcome {
                         ok: true,
                         reply: Some(reply.trim().into()),
+                        // What getpeername says now (after an agent upgrade, say).
+                        peer: r.get_ref().peer_addr().ok().map(|p| p.to_string()),
                         ms: t.elapsed().as_millis(),
                         ..Default::default()
                     },
