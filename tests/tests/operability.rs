@@ -78,6 +78,10 @@ fn connections(svc: &str) -> String {
 #[test]
 fn metrics_count_connections_rejects_and_map_fill() {
     let w = world("opsmetrics");
+    // The kernel accepts the objects' BTF (and with it the programs' line info for
+    // bpftool and verifier messages); aya warns when it does not and loads without it.
+    let log = w.agent_log();
+    assert!(!log.contains("BTF couldn't be loaded"), "{log}");
     let web = w.probe("tcp", &format!("{WEB}:80"), 7);
     assert!(
         web.iter().all(|o| o.ok),
@@ -129,11 +133,9 @@ fn metrics_count_connections_rejects_and_map_fill() {
         (1.0, 65536.0),
         "one client (the node) of sticky"
     );
-    let (revnat, revnat_cap) = fill("FERRY_REVNAT");
-    assert!(
-        revnat >= 12.0 && revnat_cap == 262144.0,
-        "one reverse entry per connect: {revnat}/{revnat_cap}"
-    );
+    // TCP connects keep their reverse entry in a per-socket slot of FERRY_TCP_REVNAT (an
+    // array, README), so the LRU, which is UDP's, holds none of these 12.
+    assert_eq!(fill("FERRY_REVNAT"), (0.0, 262144.0), "TCP connects only");
     assert_eq!(
         fill("FERRY_SVC_CONNS").0,
         3.0,

@@ -76,9 +76,11 @@ const SNAT_RANGE: u32 = (SNAT_PORT_MAX - SNAT_PORT_MIN) as u32 + 1;
 /// `ferry_tc_ingress`.
 #[inline(always)]
 pub(crate) fn ingress(ctx: &TcContext) -> i32 {
-    let Some(pkt) = parse(ctx) else {
+    // SAFETY: plain data; all-zero is a valid value.
+    let mut pkt: Pkt = unsafe { core::mem::zeroed() };
+    if !parse(ctx, &mut pkt) {
         return not_a_flow(ctx, FRAG_DIR_INGRESS);
-    };
+    }
     let Some(s) = SCRATCH.get_ptr_mut(0) else {
         return OK;
     };
@@ -131,9 +133,12 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
 /// `ferry_tc_egress`: a local endpoint's reply leaves with the frontend as source.
 #[inline(always)]
 pub(crate) fn egress(ctx: &TcContext) -> i32 {
-    match parse(ctx) {
-        Some(pkt) => egress_flow(ctx, &pkt),
-        None => not_a_flow(ctx, FRAG_DIR_EGRESS),
+    // SAFETY: plain data; all-zero is a valid value.
+    let mut pkt: Pkt = unsafe { core::mem::zeroed() };
+    if parse(ctx, &mut pkt) {
+        egress_flow(ctx, &pkt)
+    } else {
+        not_a_flow(ctx, FRAG_DIR_EGRESS)
     }
 }
 

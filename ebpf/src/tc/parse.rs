@@ -132,13 +132,27 @@ impl Pkt {
     }
 }
 
-/// Parses the packet, or `None` when the tc path has nothing to do with it.
+/// Parses the packet into `out`; `false` when the tc path has nothing to do with it.
 ///
 /// A call of its own: its header copies then stay out of the entry points' stack frame,
 /// which every deeper call (`new_flow`, the ICMP path) adds to; inlined, the ingress
-/// chain through `new_flow` sat exactly at the verifier's 512-byte limit.
+/// chain through `new_flow` sat exactly at the verifier's 512-byte limit. It writes
+/// through a pointer instead of returning `Option<Pkt>`: a call's signature goes into the
+/// object's BTF, and rustc describes that `Option` as a union with a member at a non-zero
+/// offset, which the kernel rejects (the whole BTF, and with it the programs' line info).
 #[inline(never)]
-pub(crate) fn parse(ctx: &TcContext) -> Option<Pkt> {
+pub(crate) fn parse(ctx: &TcContext, out: &mut Pkt) -> bool {
+    match parse_packet(ctx) {
+        Some(pkt) => {
+            *out = pkt;
+            true
+        }
+        None => false,
+    }
+}
+
+#[inline(always)]
+fn parse_packet(ctx: &TcContext) -> Option<Pkt> {
     // SAFETY: the kernel hands every tc program a valid skb for its run.
     let protocol = u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16);
     let mut pkt = match protocol {
