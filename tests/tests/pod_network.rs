@@ -317,18 +317,25 @@ fn routes_follow_the_nodes_and_leave_other_routes_alone() {
 /// Waits for node `n`'s restarted agent to finish a reconcile: its metrics show the
 /// routes to the two other nodes (both families).
 fn wait_restarted(c: &Cluster, n: usize) {
-    eventually(
-        &format!("node{n}'s restarted pod network reconciled"),
-        Duration::from_secs(10),
-        || {
-            let m = c.metrics(n);
-            if metric_value(&m, "ferry_pod_network_routes", "") == 4 {
-                Ok(())
-            } else {
-                Err(m)
-            }
-        },
+    wait_metric(
+        c,
+        n,
+        "its restarted pod network reconciled",
+        "ferry_pod_network_routes",
+        4,
     );
+}
+
+/// Waits until node `n`'s `/metrics` shows `want` for the unlabelled `metric`.
+fn wait_metric(c: &Cluster, n: usize, what: &str, metric: &str, want: u64) {
+    eventually(&format!("node{n}: {what}"), Duration::from_secs(10), || {
+        let m = c.metrics(n);
+        if metric_value(&m, metric, "") == want {
+            Ok(())
+        } else {
+            Err(format!("{m}\n{}", c.agent_log(n)))
+        }
+    });
 }
 
 #[test]
@@ -430,21 +437,16 @@ fn connect_pairs(c: &Cluster, pairs: &[(&str, &str)], rounds: usize) -> usize {
     done
 }
 
-/// Waits until node `n`'s fast path carries both of its pods' veths: the agent attaches
-/// to new veths at its next scan (every half second), and until then their packets take
-/// the kernel's path.
+/// Waits until node `n`'s fast path carries both of its pods' veths: until the agent
+/// attaches to a new veth (on the kernel's link notification, or at the latest at its
+/// half-second scan), its packets take the kernel's path.
 fn wait_fast_path_pods(c: &Cluster, n: usize) {
-    eventually(
-        &format!("node{n}'s fast path holds both pods' veths"),
-        Duration::from_secs(10),
-        || {
-            let m = c.metrics(n);
-            if metric_value(&m, "ferry_pod_network_fast_path_pods", "") == 2 {
-                Ok(())
-            } else {
-                Err(format!("{m}\n{}", c.agent_log(n)))
-            }
-        },
+    wait_metric(
+        c,
+        n,
+        "its fast path holds both pods' veths",
+        "ferry_pod_network_fast_path_pods",
+        2,
     );
 }
 
