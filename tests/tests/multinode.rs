@@ -381,6 +381,80 @@ fn pods_and_hosts_reach_another_nodes_nodeport_and_the_cluster_ip() {
     }
 }
 
+/// A pod that reuses its source port, first towards node 2's NodePort (translated by
+/// node 2's tc; the endpoint is local to node 2, so no source NAT), then towards the
+/// ClusterIP (translated at the pod's socket, straight to the same endpoint), then the
+/// NodePort again. At node 2 both flows have the same reply packets; each new flow must
+/// get its replies from the address it dialled (CI once saw a ClusterIP reply come back
+/// from the NodePort when two random ports collided). UDP in both families, then TCP.
+#[test]
+fn a_source_port_reused_from_a_nodeport_to_the_cluster_ip_gets_replies_from_what_it_dialled() {
+    let mut c = Cluster::new("mn-reuse", &[1, 1], &[SRV]);
+    let v4_eps = vec![pod_ep(&c, "n2p1", false)];
+    let v6_eps = vec![pod_ep(&c, "n2p1", true)];
+    c.write_manifest(
+        "np.yaml",
+        &svc_docs(
+            "np",
+            "NodePort",
+            &["10.96.3.20", "fd00:96::3:20"],
+            "",
+            &v4_eps,
+            &v6_eps,
+        ),
+    );
+    c.start_agents(&[]);
+    let client = c.pod("n1p1");
+    let (ns, cg) = (client.netns.clone(), c.node(1).cgroup.clone());
+    for (is_v6, sport) in [(false, "12346"), (true, "12347")] {
+        let (node2, cip): (IpAddr, IpAddr) = if is_v6 {
+            (v6(c.node(2).v6), "fd00:96::3:20".parse().unwrap())
+        } else {
+            (v4(c.node(2).v4), "10.96.3.20".parse().unwrap())
+        };
+        let me = if is_v6 {
+            format!("[{}]:{sport}", client.v6)
+        } else {
+            format!("{}:{sport}", client.v4)
+        };
+        for target in [
+            hostport(node2, NP_UDP),
+            hostport(cip, 53),
+            hostport(node2, NP_UDP),
+        ] {
+            // A connected socket: a reply from any other source never reaches it.
+            let outs = Cluster::probe_in(
+                &ns,
+                Some(&cg),
+                &["udp-ports", &target, sport, "1"],
+                "whoami",
+            );
+            assert!(
+                outs.len() == 1
+                    && outs[0].ok
+                    && outs[0].from.as_deref() == Some(me.as_str())
+                    && outs[0].reply.as_deref() == Some(format!("n2p1 {me}").as_str()),
+                "UDP {me} -> {target}: n2p1 must answer the datagram from the address dialled, \
+                 seeing the pod's own address: {outs:?}\n{}",
+                c.diag(2)
+            );
+        }
+    }
+    let node2 = v4(c.node(2).v4);
+    for (target, sport) in [
+        (hostport(node2, NP_TCP), 12348),
+        (hostport(v4("10.96.3.20".parse().unwrap()), 80), 12348),
+    ] {
+        let mut session = Session::start(&ns, Some(&cg), &target, Some(sport));
+        let reply = session.ask("whoami", Duration::from_secs(5));
+        assert!(
+            reply.as_deref().is_ok_and(|r| r.starts_with("n2p1 ")),
+            "TCP from port {sport} -> {target}: n2p1 must answer: {reply:?}\n{}",
+            c.diag(2)
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. externalIPs assigned to no node.
 

@@ -377,6 +377,37 @@ fn in_source_ranges(svc_id: u32, client: &Addr) -> bool {
     SRC_RANGES.get(&key).is_some()
 }
 
+/// A packet to no frontend that a local endpoint will answer exactly as it answers a
+/// translated flow (the client reused its port: first towards a NodePort, now straight
+/// to the endpoint, e.g. through a ClusterIP translated at its own socket). The replies
+/// of both are the same packets; the newer flow wins, so the older flow's entries go
+/// (egress would otherwise give the direct flow's replies the NodePort as source).
+/// Checked for datagrams and SYNs only: other TCP segments cannot start a flow.
+#[inline(always)]
+fn forget_superseded_flow(pkt: &Pkt, s: &mut Scratch) {
+    if pkt.proto == PROTO_TCP && !pkt.is_syn() {
+        return;
+    }
+    s.rkey = ct::key(
+        pkt.daddr,
+        pkt.saddr,
+        pkt.dport,
+        pkt.sport,
+        pkt.proto,
+        CT_DIR_REPLY,
+    );
+    // SAFETY: plain data read; the copy is taken at once.
+    let Some(r) = (unsafe { CT.get(&s.rkey) }) else {
+        return;
+    };
+    if r.flags & CT_F_SNAT != 0 {
+        return;
+    }
+    let okey = ct::orig_key_of(pkt.proto, r);
+    let _ = CT.remove(&okey);
+    let _ = CT.remove(&s.rkey);
+}
+
 /// A packet without conntrack entry (`s.okey` is its original key): frontend lookup,
 /// refusal or backend selection, conntrack entries. Returns a tc verdict, or
 /// [`FORWARD`]: translate and send on as `s.entry` says, or [`REFUSE`]: answer with a
@@ -394,7 +425,10 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     // SAFETY: plain data read; the copy is taken at once.
     let svc = match unsafe { SERVICES.get(&skey) } {
         Some(v) => *v,
-        None => return OK,
+        None => {
+            forget_superseded_flow(pkt, s);
+            return OK;
+        }
     };
     // Source ranges first: a client outside them learns nothing, not even "refused".
     if svc.flags & SVC_F_SOURCE_RANGES != 0 && !in_source_ranges(svc.svc_id, &pkt.saddr) {
