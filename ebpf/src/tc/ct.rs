@@ -85,9 +85,12 @@ fn timeout_ns(proto: u8, tcp_seen: u8) -> u64 {
 }
 
 /// True while the flow of this original entry is alive.
+///
+/// Saturating: an entry a little ahead of `now` (written with the precise clock by the
+/// programs of an older ferry, now reads the coarse one) is fresh.
 #[inline(always)]
 pub(crate) fn fresh(e: &CtEntry, proto: u8, now: u64) -> bool {
-    now.wrapping_sub(e.last_seen_ns) <= timeout_ns(proto, e.tcp_seen)
+    now.saturating_sub(e.last_seen_ns) <= timeout_ns(proto, e.tcp_seen)
 }
 
 /// The `CT_TCP_SEEN_*` bits a packet adds.

@@ -1,6 +1,11 @@
 //! Forwarding: a FIB lookup for the (translated) packet, then a redirect to the egress
 //! device. A packet whose source became one of the node's addresses must not be handed
 //! to the local stack (it would be dropped as a martian), so the program forwards it.
+//!
+//! The FIB lookup was a quarter of the ingress program's time per packet, so a resolved
+//! route is reused for [`ROUTE_REUSE_NS`] by the next packets of the same path on the
+//! same CPU ([`lookup_cached`]): a route or neighbour change then reaches the packets of
+//! a busy flow after at most that long, as a packet already in flight would have.
 
 use aya_ebpf::{
     bindings::{
@@ -8,6 +13,8 @@ use aya_ebpf::{
         TC_ACT_REDIRECT, bpf_fib_lookup, bpf_redir_neigh,
     },
     helpers::{bpf_fib_lookup as fib_lookup_helper, bpf_redirect, bpf_redirect_neigh},
+    macros::map,
+    maps::PerCpuArray,
     programs::TcContext,
 };
 use ferry_common::{Addr, metrics::COUNT_FIB_FAIL};
@@ -79,6 +86,102 @@ pub(crate) fn lookup(
             Route::TooBig(unsafe { params.__bindgen_anon_1.mtu_result })
         }
         _ => Route::Fail,
+    }
+}
+
+/// How long a resolved route is reused without a new lookup (read with the coarse clock,
+/// so up to a tick more).
+const ROUTE_REUSE_NS: u64 = 10_000_000;
+
+/// [`lookup_cached`]'s slot for packets towards a backend.
+pub(crate) const SLOT_TO_BACKEND: u32 = 0;
+/// [`lookup_cached`]'s slot for replies towards a client.
+pub(crate) const SLOT_TO_CLIENT: u32 = 1;
+
+/// A resolved route as [`lookup`] found it, with what it was looked up for.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct CachedRoute {
+    saddr: Addr,
+    daddr: Addr,
+    at_ns: u64,
+    iif: u32,
+    ifindex: u32,
+    /// Packets up to this IP length fit (the route's MTU, or the length looked up: the
+    /// kernel returns the MTU in the field that held it).
+    max_len: u16,
+    /// 0: empty; else the address family.
+    family: u8,
+    _pad: u8,
+    smac: [u8; 6],
+    dmac: [u8; 6],
+}
+
+/// One remembered route per CPU and direction (`SLOT_*`); not pinned.
+#[map(name = "FERRY_TC_ROUTES")]
+static ROUTES: PerCpuArray<CachedRoute> = PerCpuArray::with_max_entries(2, 0);
+
+/// [`lookup`], answered from the route remembered in `slot` when it is for the same
+/// addresses and ingress device, younger than [`ROUTE_REUSE_NS`] and the packet fits it.
+/// Only resolved routes are remembered: every other answer takes the full lookup.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) fn lookup_cached(
+    ctx: &TcContext,
+    params: &mut bpf_fib_lookup,
+    slot: u32,
+    v6: bool,
+    saddr: &Addr,
+    daddr: &Addr,
+    iif: u32,
+    tot_len: u16,
+    now: u64,
+) -> Route {
+    let Some(c) = ROUTES.get_ptr_mut(slot) else {
+        return lookup(ctx, params, v6, saddr, daddr, iif, tot_len);
+    };
+    // SAFETY: per-CPU value, used by this program run only.
+    let c = unsafe { &mut *c };
+    let family = if v6 { AF_INET6 } else { AF_INET };
+    if c.family == family
+        && c.iif == iif
+        && tot_len <= c.max_len
+        && now.wrapping_sub(c.at_ns) <= ROUTE_REUSE_NS
+        && c.daddr == *daddr
+        && c.saddr == *saddr
+    {
+        params.family = family;
+        params.ifindex = c.ifindex;
+        copy_mac(&mut params.smac, &c.smac);
+        copy_mac(&mut params.dmac, &c.dmac);
+        return Route::Resolved;
+    }
+    let r = lookup(ctx, params, v6, saddr, daddr, iif, tot_len);
+    if r == Route::Resolved {
+        c.saddr = *saddr;
+        c.daddr = *daddr;
+        c.at_ns = now;
+        c.iif = iif;
+        c.ifindex = params.ifindex;
+        // SAFETY: after a successful lookup the union holds the MTU, or still tot_len.
+        let m = unsafe { params.__bindgen_anon_1.mtu_result };
+        c.max_len = if m > tot_len { m } else { tot_len };
+        c.family = family;
+        copy_mac(&mut c.smac, &params.smac);
+        copy_mac(&mut c.dmac, &params.dmac);
+    } else {
+        c.family = 0;
+    }
+    r
+}
+
+/// Byte by byte: an array copy compiles to a call of `memmove` (a byte loop).
+#[inline(always)]
+fn copy_mac(dst: &mut [u8; 6], src: &[u8; 6]) {
+    let mut i = 0;
+    while i < 6 {
+        dst[i] = src[i];
+        i += 1;
     }
 }
 

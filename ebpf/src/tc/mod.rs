@@ -16,7 +16,7 @@ mod parse;
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_ktime_get_ns,
+    helpers::bpf_ktime_get_coarse_ns,
     maps::lpm_trie::Key,
     programs::TcContext,
 };
@@ -86,8 +86,7 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     };
     // SAFETY: per-CPU value, used by this program run only.
     let s = unsafe { &mut *s };
-    // SAFETY: helper without preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock();
 
     // 1. A reply to a source-NATed flow (addressed to a node address and SNAT port):
     // only a port of the source-NAT range can be one, so other packets (every packet
@@ -112,7 +111,7 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
             touch(e, &pkt, false, now);
             copy_entry(&mut s.entry, e);
             s.route = ROUTE_NONE;
-            return forward(ctx, &pkt, s);
+            return forward(ctx, &pkt, s, now);
         }
         // Expired, or a UDP flow whose backend left the set: free its reply entry (and
         // SNAT port) and select again as for a new flow.
@@ -124,7 +123,7 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     // (and its stack) stays short.
     s.route = ROUTE_NONE;
     match new_flow(ctx, &pkt, s, now) {
-        FORWARD => forward(ctx, &pkt, s),
+        FORWARD => forward(ctx, &pkt, s, now),
         REFUSE => icmp::port_unreachable(ctx, &pkt),
         verdict => verdict,
     }
@@ -133,6 +132,9 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
 /// `ferry_tc_egress`: a local endpoint's reply leaves with the frontend as source.
 #[inline(always)]
 pub(crate) fn egress(ctx: &TcContext) -> i32 {
+    if take_forwarded(ctx) {
+        return OK;
+    }
     // SAFETY: plain data; all-zero is a valid value.
     let mut pkt: Pkt = unsafe { core::mem::zeroed() };
     if parse(ctx, &mut pkt) {
@@ -140,6 +142,38 @@ pub(crate) fn egress(ctx: &TcContext) -> i32 {
     } else {
         not_a_flow(ctx, FRAG_DIR_EGRESS)
     }
+}
+
+/// `cb[0]`, `cb[1]` of a packet [`forward`] or [`reply_to_client`] translated and
+/// redirected: its egress has nothing to do with it (its source is the SNAT address or
+/// the frontend), so egress skips parse and lookup (a fifth of the forwarding cost).
+/// The control block survives the redirect; the stack overwrites it wherever else the
+/// packet goes (`IPCB` on receive), and 64 bits of other data match by accident
+/// practically never.
+const FORWARDED: [u32; 2] = [0x6665_7272, 0x7974_6321];
+
+#[inline(always)]
+fn mark_forwarded(ctx: &TcContext) {
+    // SAFETY: valid tc context; tc programs may write the control block.
+    unsafe {
+        (*ctx.skb.skb).cb[0] = FORWARDED[0];
+        (*ctx.skb.skb).cb[1] = FORWARDED[1];
+    }
+}
+
+/// The packet carries [`FORWARDED`]; the mark is cleared.
+#[inline(always)]
+fn take_forwarded(ctx: &TcContext) -> bool {
+    let skb = ctx.skb.skb;
+    // SAFETY: valid tc context; tc programs may read and write the control block.
+    unsafe {
+        if (*skb).cb[0] != FORWARDED[0] || (*skb).cb[1] != FORWARDED[1] {
+            return false;
+        }
+        (*skb).cb[0] = 0;
+        (*skb).cb[1] = 0;
+    }
+    true
 }
 
 /// Egress of a TCP/UDP packet. A call of its own, so that the entry point's stack stays
@@ -156,8 +190,7 @@ fn egress_flow(ctx: &TcContext, pkt: &Pkt) -> i32 {
     if r.flags & CT_F_SNAT != 0 {
         return OK;
     }
-    // SAFETY: helper without preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock();
     touch_original(&pkt, &r, now);
     let to = To {
         saddr: r.nat_addr,
@@ -218,7 +251,7 @@ fn touch_original(pkt: &Pkt, r: &CtEntry, now: u64) {
 fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     touch_original(pkt, &s.reply, now);
     // Too big for the client's side: the backend is told, as the reply arrived.
-    let resolved = match route(ctx, pkt, s, true) {
+    let resolved = match route(ctx, pkt, s, true, now) {
         Ok(r) => r,
         Err(verdict) => return verdict,
     };
@@ -243,7 +276,10 @@ fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32
         );
     }
     match fib::redirect(ctx, &s.fib, resolved) {
-        Some(v) => v,
+        Some(v) => {
+            mark_forwarded(ctx);
+            v
+        }
         None => {
             count(COUNT_FIB_FAIL);
             SHOT
@@ -257,21 +293,23 @@ fn reply_to_client(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32
 /// route is answered with fragmentation needed / packet too big quoting it as it arrived
 /// (IPv4 without DF is dropped: the kernel would fragment it, ferry cannot).
 #[inline(always)]
-fn route(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, reply: bool) -> Result<bool, i32> {
+fn route(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, reply: bool, now: u64) -> Result<bool, i32> {
     let iif = ingress_ifindex(ctx);
-    let (saddr, daddr) = if reply {
-        (&s.reply.nat_addr, &s.reply.snat_addr)
+    let (saddr, daddr, slot) = if reply {
+        (&s.reply.nat_addr, &s.reply.snat_addr, fib::SLOT_TO_CLIENT)
     } else {
-        (&s.entry.snat_addr, &s.entry.nat_addr)
+        (&s.entry.snat_addr, &s.entry.nat_addr, fib::SLOT_TO_BACKEND)
     };
-    match fib::lookup(
+    match fib::lookup_cached(
         ctx,
         &mut s.fib,
+        slot,
         pkt.v6,
         saddr,
         daddr,
         iif,
         wire_len(ctx, pkt),
+        now,
     ) {
         Route::Resolved => Ok(true),
         Route::Unresolved => Ok(false),
@@ -286,12 +324,12 @@ fn route(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, reply: bool) -> Result<boo
 /// Translates a packet of a flow as its original entry (`s.entry`) says and sends it on.
 /// `s.route` says whether `s.fib` already holds the route (new source-NATed flows).
 #[inline(never)]
-fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
+fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch, now: u64) -> i32 {
     let snat = s.entry.flags & CT_F_SNAT != 0;
     if snat && s.route == ROUTE_NONE {
         // The route before the rewrite: a packet too big for it is answered with the
         // client's packet as it is (the quote must be what the client sent).
-        s.route = match route(ctx, pkt, s, false) {
+        s.route = match route(ctx, pkt, s, false, now) {
             Ok(true) => ROUTE_RESOLVED,
             Ok(false) => ROUTE_UNRESOLVED,
             Err(verdict) => return verdict,
@@ -323,12 +361,24 @@ fn forward(ctx: &TcContext, pkt: &Pkt, s: &mut Scratch) -> i32 {
         return OK;
     }
     match fib::redirect(ctx, &s.fib, s.route == ROUTE_RESOLVED) {
-        Some(v) => v,
+        Some(v) => {
+            mark_forwarded(ctx);
+            v
+        }
         None => {
             count(COUNT_FIB_FAIL);
             SHOT
         }
     }
+}
+
+/// The clock of conntrack and affinity timestamps: the coarse monotonic clock (the last
+/// tick), a fraction of `bpf_ktime_get_ns`'s cost per packet, and precise enough for
+/// timeouts of seconds and a refresh once a second. Every tc timestamp is taken with it.
+#[inline(always)]
+fn clock() -> u64 {
+    // SAFETY: helper without preconditions.
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// A port (network byte order) the source NAT hands out.
