@@ -140,15 +140,37 @@ impl Pkt {
 /// through a pointer instead of returning `Option<Pkt>`: a call's signature goes into the
 /// object's BTF, and rustc describes that `Option` as a union with a member at a non-zero
 /// offset, which the kernel rejects (the whole BTF, and with it the programs' line info).
+///
+/// # Safety
+/// `out` points to memory for one `Pkt` (it may be uninitialised); it is written whole
+/// when the answer is true.
 #[inline(never)]
-pub(crate) fn parse(ctx: &TcContext, out: &mut Pkt) -> bool {
+pub(crate) unsafe fn parse(ctx: &TcContext, out: *mut Pkt) -> bool {
     match parse_packet(ctx) {
         Some(pkt) => {
-            *out = pkt;
+            // SAFETY: the caller's stack slot for one `Pkt`.
+            unsafe { out.write(pkt) };
             true
         }
         None => false,
     }
+}
+
+/// A header at packet offset `off`: read in place when the skb's linear part holds it
+/// (always, for packets a stack built or a NIC received), else copied out with
+/// `bpf_skb_load_bytes` (with its `memcpy`, the copies were a sixth of the ingress
+/// program). A plain load: the header structs' fields are at their natural offsets, and
+/// BPF loads from packet memory need no alignment on the JITs ferry runs on (x86-64,
+/// arm64; the verifier checks alignment only in its strict mode); an unaligned read
+/// would compile to one load per byte.
+#[inline(always)]
+fn read<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
+    let data = ctx.data();
+    if data + off + core::mem::size_of::<T>() <= ctx.data_end() {
+        // SAFETY: inside the packet's linear part (checked above).
+        return Some(unsafe { core::ptr::read((data + off) as *const T) });
+    }
+    ctx.load(off).ok()
 }
 
 #[inline(always)]
@@ -157,7 +179,7 @@ fn parse_packet(ctx: &TcContext) -> Option<Pkt> {
     let protocol = u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16);
     let mut pkt = match protocol {
         ETH_P_IP => {
-            let ip: Ipv4Hdr = ctx.load(ETH_HLEN as usize).ok()?;
+            let ip: Ipv4Hdr = read(ctx, ETH_HLEN as usize)?;
             let ihl = (ip.ver_ihl & 0x0f) as u32;
             let frag_off = u16::from_be(ip.frag_off);
             // A later fragment has no ports: `frag` follows it.
@@ -186,7 +208,7 @@ fn parse_packet(ctx: &TcContext) -> Option<Pkt> {
             }
         }
         ETH_P_IPV6 => {
-            let ip: Ipv6Hdr = ctx.load(ETH_HLEN as usize).ok()?;
+            let ip: Ipv6Hdr = read(ctx, ETH_HLEN as usize)?;
             if u32::from_be(ip.ver_tc_flow) >> 28 != 6 {
                 return None;
             }
@@ -208,7 +230,7 @@ fn parse_packet(ctx: &TcContext) -> Option<Pkt> {
                 dport: 0,
             };
             if pkt.proto == NEXTHDR_FRAGMENT {
-                let fh: FragHdr = ctx.load(V6_FRAG_OFF as usize).ok()?;
+                let fh: FragHdr = read(ctx, V6_FRAG_OFF as usize)?;
                 let off_m = u16::from_be(fh.off_m);
                 if off_m >> 3 != 0 {
                     return None;
@@ -228,14 +250,14 @@ fn parse_packet(ctx: &TcContext) -> Option<Pkt> {
     };
     match pkt.proto {
         PROTO_TCP => {
-            let l4: L4Head = ctx.load(pkt.l4_off() as usize).ok()?;
+            let l4: L4Head = read(ctx, pkt.l4_off() as usize)?;
             pkt.sport = l4.sport;
             pkt.dport = l4.dport;
             pkt.tcp_flags = l4.flags;
             pkt.l4_hlen = ((l4.doff >> 4) as u32) * 4;
         }
         PROTO_UDP => {
-            let ports: [u16; 2] = ctx.load(pkt.l4_off() as usize).ok()?;
+            let ports: [u16; 2] = read(ctx, pkt.l4_off() as usize)?;
             pkt.sport = ports[0];
             pkt.dport = ports[1];
         }
