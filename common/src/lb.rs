@@ -83,6 +83,41 @@ pub struct ServiceValue {
 }
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 16);
 
+/// Backend slot flag (slots `1..`, never slot 0): the slot carries its IPv4 backend's
+/// address in `affinity_timeout_s` and port in `count`, so a connect needs no
+/// `FERRY_BACKENDS` lookup. Backend ids are per (address, port, protocol), so the copy
+/// never goes stale. Programs that do not know the flag read `backend_id` as before.
+pub const SLOT_F_V4_INLINE: u16 = 1 << 15;
+
+impl ServiceValue {
+    /// The value of a backend slot (slots `1..`) pointing at `backend` (id `backend_id`).
+    pub fn backend_slot(backend_id: u32, backend: &Backend) -> ServiceValue {
+        if !crate::addr_is_v4(&backend.addr) {
+            return ServiceValue {
+                backend_id,
+                ..Default::default()
+            };
+        }
+        ServiceValue {
+            backend_id,
+            count: backend.port,
+            flags: SLOT_F_V4_INLINE,
+            affinity_timeout_s: backend.addr[3],
+            svc_id: 0,
+        }
+    }
+
+    /// A backend slot's inline IPv4 backend: address and port, both network byte order.
+    #[inline(always)]
+    pub fn inline_v4(&self) -> Option<(u32, u16)> {
+        if self.flags & SLOT_F_V4_INLINE != 0 {
+            Some((self.affinity_timeout_s, self.count))
+        } else {
+            None
+        }
+    }
+}
+
 /// Backend flag: the endpoint is terminating (serving fallback).
 pub const BACKEND_F_TERMINATING: u8 = 1 << 0;
 /// Backend flag: the endpoint runs on this node.
@@ -149,4 +184,40 @@ mod pod {
     unsafe impl aya::Pod for super::MemberKey {}
     unsafe impl aya::Pod for super::AffinityKey {}
     unsafe impl aya::Pod for super::AffinityValue {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ipv4_backend_is_copied_into_its_slot() {
+        let b = Backend {
+            addr: crate::addr_from_v4_be(u32::from_be_bytes([10, 244, 0, 1])),
+            port: 8080u16.to_be(),
+            proto: PROTO_TCP,
+            ..Default::default()
+        };
+        let v = ServiceValue::backend_slot(7, &b);
+        assert_eq!(v.backend_id, 7);
+        assert_eq!(v.svc_id, 0, "slots never carry a service id");
+        let (ip, port) = v.inline_v4().expect("inline");
+        assert_eq!(crate::addr_from_v4_be(ip), b.addr);
+        assert_eq!(port, b.port);
+    }
+
+    #[test]
+    fn an_ipv6_backend_and_an_old_slot_are_looked_up() {
+        let b = Backend {
+            addr: [u32::from_be(0xfd00_0000), 0, 0, u32::from_be(1)],
+            port: 80u16.to_be(),
+            ..Default::default()
+        };
+        assert_eq!(ServiceValue::backend_slot(3, &b).inline_v4(), None);
+        let old = ServiceValue {
+            backend_id: 3,
+            ..Default::default()
+        };
+        assert_eq!(old.inline_v4(), None);
+    }
 }

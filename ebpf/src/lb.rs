@@ -6,7 +6,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use ferry_common::{
-    Addr,
+    Addr, addr_from_v4_be,
     lb::{
         AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, BACKEND_F_LOCAL,
         BACKEND_F_TERMINATING, Backend, MAX_BACKENDS_PER_SERVICE, MemberKey, SVC_F_AFFINITY,
@@ -27,8 +27,9 @@ const UDP_STICKY_NS: u64 = 30 * 1_000_000_000;
 pub(crate) enum Verdict {
     /// Not a Service frontend (or a write is in flight): leave the socket alone.
     Pass,
-    /// Translate to this backend; `svc_id` identifies the ServicePort.
-    Forward { backend: Backend, svc_id: u32 },
+    /// Translate to this backend address and port (network byte order); `svc_id`
+    /// identifies the ServicePort.
+    Forward { addr: Addr, port: u16, svc_id: u32 },
     /// No endpoint at all: refuse.
     Reject,
     /// Local traffic policy with no local endpoint: drop.
@@ -101,7 +102,8 @@ pub(crate) fn select<C: EbpfContext>(
         if let Some(backend) = remembered_backend(&akey, svc.svc_id, svc.flags, now, timeout_ns) {
             count(COUNT_AFFINITY_HIT);
             return Verdict::Forward {
-                backend,
+                addr: backend.addr,
+                port: backend.port,
                 svc_id: svc.svc_id,
             };
         }
@@ -117,8 +119,8 @@ pub(crate) fn select<C: EbpfContext>(
     key.slot = (r % n as u32) as u16 + 1;
     // A miss below means the agent published a count before its slots or backends, a
     // bug worth a log line (this is the miss path, never taken per connection normally).
-    let backend_id = match unsafe { SERVICES.get(&key) } {
-        Some(v) => v.backend_id,
+    let slot = match unsafe { SERVICES.get(&key) } {
+        Some(v) => *v,
         None => {
             count(COUNT_BACKEND_MISSING);
             warn!(
@@ -128,15 +130,21 @@ pub(crate) fn select<C: EbpfContext>(
             return Verdict::Pass;
         }
     };
-    let backend = match unsafe { BACKENDS.get(&backend_id) } {
-        Some(b) => *b,
-        None => {
-            count(COUNT_BACKEND_MISSING);
-            warn!(
-                ctx,
-                "ferry: service id {} backend {} missing", svc.svc_id, backend_id
-            );
-            return Verdict::Pass;
+    let backend_id = slot.backend_id;
+    // The common case: an IPv4 backend copied into its slot, no backend lookup.
+    let (addr, port) = if let Some((ip, port)) = slot.inline_v4() {
+        (addr_from_v4_be(ip), port)
+    } else {
+        match unsafe { BACKENDS.get(&backend_id) } {
+            Some(b) => (b.addr, b.port),
+            None => {
+                count(COUNT_BACKEND_MISSING);
+                warn!(
+                    ctx,
+                    "ferry: service id {} backend {} missing", svc.svc_id, backend_id
+                );
+                return Verdict::Pass;
+            }
         }
     };
     if let Some((akey, _)) = affinity_key {
@@ -150,7 +158,8 @@ pub(crate) fn select<C: EbpfContext>(
         }
     }
     Verdict::Forward {
-        backend,
+        addr,
+        port,
         svc_id: svc.svc_id,
     }
 }

@@ -129,13 +129,21 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
         // A socket hook cannot silently lose a connect: fail it at once with "no route"
         // instead of letting the client wait for a timeout.
         Verdict::Drop => refuse(EHOSTUNREACH),
-        Verdict::Forward { backend, svc_id } => {
-            if !write_addr(ctx, family, &backend.addr, backend.port) {
+        Verdict::Forward { addr, port, svc_id } => {
+            if !write_addr(ctx, family, &addr, port) {
                 return ALLOW;
             }
+            let t = Translation {
+                cookie,
+                backend: addr,
+                backend_port: port,
+                vip,
+                vport,
+                svc_id,
+            };
             let stored = match proto {
-                PROTO_TCP => remember_tcp(cookie, &backend.addr, backend.port, vip, vport, svc_id),
-                _ => remember_in_map(cookie, &backend.addr, backend.port, vip, vport, svc_id),
+                PROTO_TCP => remember_tcp(&t),
+                _ => remember_in_map(&t),
             };
             if !stored {
                 count(COUNT_REVNAT_FULL);
@@ -147,6 +155,18 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
     }
 }
 
+/// One translated connect or datagram: what the reverse hooks need to undo it.
+struct Translation {
+    cookie: u64,
+    /// Backend address and port, network byte order.
+    backend: Addr,
+    backend_port: u16,
+    /// The Service address and port the socket dialled, network byte order.
+    vip: Addr,
+    vport: u16,
+    svc_id: u32,
+}
+
 /// A TCP connect keeps its Service address in the socket cookie's slot of
 /// `FERRY_TCP_REVNAT`: one plain store into a preallocated array. The LRU insert this
 /// replaced (per-CPU and global list locks, a free-node pop, periodic shrinking) cost
@@ -154,27 +174,20 @@ pub(crate) fn translate(ctx: &SockAddrContext, family: Family, per_datagram: boo
 /// allocations per socket). A socket connected again (after a failed connect)
 /// overwrites its slot.
 #[inline(always)]
-fn remember_tcp(
-    cookie: u64,
-    backend: &Addr,
-    backend_port: u16,
-    vip: Addr,
-    vport: u16,
-    svc_id: u32,
-) -> bool {
-    let Some(slot) = TCP_REVNAT.get_ptr_mut(cookie as u32 & (TCP_REVNAT_SLOTS - 1)) else {
+fn remember_tcp(t: &Translation) -> bool {
+    let Some(slot) = TCP_REVNAT.get_ptr_mut(t.cookie as u32 & (TCP_REVNAT_SLOTS - 1)) else {
         return false;
     };
     // SAFETY: a slot of a preallocated array. A concurrent writer of the same slot is a
     // socket created TCP_REVNAT_SLOTS sockets later; the reader checks the cookie.
     unsafe {
         *slot = SockRevNat {
-            cookie,
-            backend: *backend,
-            vip,
-            backend_port,
-            vport,
-            svc_id,
+            cookie: t.cookie,
+            backend: t.backend,
+            vip: t.vip,
+            backend_port: t.backend_port,
+            vport: t.vport,
+            svc_id: t.svc_id,
         }
     };
     true
@@ -186,25 +199,18 @@ fn remember_tcp(
 /// entry that already says the same thing is not written again (an LRU update replaces
 /// the element, which costs as much as a new insert).
 #[inline(always)]
-fn remember_in_map(
-    cookie: u64,
-    backend: &Addr,
-    backend_port: u16,
-    vip: Addr,
-    vport: u16,
-    svc_id: u32,
-) -> bool {
+fn remember_in_map(t: &Translation) -> bool {
     let key = RevNatKey {
-        cookie,
-        addr: *backend,
-        port: backend_port,
+        cookie: t.cookie,
+        addr: t.backend,
+        port: t.backend_port,
         _pad: [0; 6],
     };
     let value = RevNatValue {
-        addr: vip,
-        port: vport,
+        addr: t.vip,
+        port: t.vport,
         _pad: [0; 2],
-        svc_id,
+        svc_id: t.svc_id,
     };
     // SAFETY: plain data read; the lookup also marks the entry recently used.
     if let Some(old) = unsafe { REVNAT.get(&key) } {

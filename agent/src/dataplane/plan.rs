@@ -464,16 +464,14 @@ pub(crate) fn place(
             if e.local {
                 flags |= BACKEND_F_LOCAL;
             }
-            out.backends.insert(
-                id,
-                Backend {
-                    addr: tuple.0,
-                    port: tuple.1,
-                    proto,
-                    flags,
-                    _pad: 0,
-                },
-            );
+            let backend = Backend {
+                addr: tuple.0,
+                port: tuple.1,
+                proto,
+                flags,
+                _pad: 0,
+            };
+            out.backends.insert(id, backend);
             out.members.insert(MemberKey {
                 svc_id,
                 backend_id: id,
@@ -482,13 +480,8 @@ pub(crate) fn place(
                 slot: i as u16 + 1,
                 ..key0
             };
-            out.services.insert(
-                key,
-                ServiceValue {
-                    backend_id: id,
-                    ..Default::default()
-                },
-            );
+            out.services
+                .insert(key, ServiceValue::backend_slot(id, &backend));
         }
         frontends.push(key0);
         out.services.insert(
