@@ -788,3 +788,99 @@ fn a_pod_reaches_itself_through_its_service() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Route reuse (ebpf/src/tc/fib.rs): a resolved route is reused for 10 ms per CPU.
+
+#[test]
+fn a_source_natted_flow_follows_a_neighbour_change() {
+    let mut c = Cluster::new("ext-nb", &[1, 1], &[SRV]);
+    c.write_manifest(
+        "np.yaml",
+        &svc_doc(&c, "np", "NodePort", "10.96.1.12", "", "", &["n2p1"]),
+    );
+    c.start_agents(&[]);
+    // The route is remembered per CPU: the probes (children of this thread) send from
+    // CPU 0 only, so that every packet of the flow meets the route remembered there.
+    pin_to_cpu0();
+    let target = hostport(c.node(1).v4, NP_UDP);
+    let client_ns = c.client(1).netns.clone();
+    // One flow: every datagram from the same source port, so that after the first the
+    // packets take the known-flow path and its reused route.
+    const SPORT: &str = "23456";
+    let send = || -> Outcome {
+        let outs = Cluster::probe_in(
+            &client_ns,
+            None,
+            &["udp-ports", &target, SPORT, "1"],
+            "whoami",
+        );
+        assert_eq!(outs.len(), 1, "one datagram per probe: {outs:?}");
+        outs.into_iter().next().unwrap()
+    };
+    let answered = |o: &Outcome| o.ok && o.backend() == Some("n2p1");
+    eventually(
+        "the flow to node1's NodePort is answered by n2p1",
+        Duration::from_secs(10),
+        || {
+            let o = send();
+            if answered(&o) {
+                Ok(())
+            } else {
+                Err(format!("{o:?}\n{}", c.diag(1)))
+            }
+        },
+    );
+    // The first datagram was a new flow; these take the known-flow path, which
+    // remembers the route.
+    for _ in 0..3 {
+        let o = send();
+        assert!(answered(&o), "the flow keeps working: {o:?}\n{}", c.diag(1));
+    }
+    let flows = c.counter(1, "external_translated");
+
+    // Node 2's MAC changes and node 1's neighbour table learns it: a route remembered
+    // with the old MAC would send every later packet of the flow to nobody.
+    let mac = "02:77:00:00:00:02";
+    sh(&format!(
+        "ip -n {n2} link set eth0 address {mac} && \
+         ip -n {n1} neigh replace {ip} lladdr {mac} dev eth0 nud reachable",
+        n1 = c.node(1).netns,
+        n2 = c.node(2).netns,
+        ip = c.node(2).v4,
+    ));
+    let t0 = Instant::now();
+    eventually(
+        "the flow reaches n2p1 at node 2's new MAC",
+        Duration::from_secs(5),
+        || {
+            let o = send();
+            if answered(&o) {
+                Ok(())
+            } else {
+                Err(format!("{o:?}\n{}", c.diag(1)))
+            }
+        },
+    );
+    eprintln!("answered again after {:?}", t0.elapsed());
+    assert_eq!(
+        c.counter(1, "external_translated"),
+        flows,
+        "the datagrams after the change belong to the same flow (known-flow path)"
+    );
+}
+
+/// Pins the calling thread (and so the processes it spawns) to CPU 0.
+fn pin_to_cpu0() {
+    // SAFETY: a zeroed cpu_set_t is the empty set; the calls only write into it and set
+    // the calling thread's affinity.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0,
+            "sched_setaffinity"
+        );
+    }
+}
