@@ -819,18 +819,17 @@ fn a_source_natted_flow_follows_a_neighbour_change() {
         outs.into_iter().next().unwrap()
     };
     let answered = |o: &Outcome| o.ok && o.backend() == Some("n2p1");
-    eventually(
-        "the flow to node1's NodePort is answered by n2p1",
-        Duration::from_secs(10),
-        || {
+    let answered_within = |what: &str, secs: u64| {
+        eventually(what, Duration::from_secs(secs), || {
             let o = send();
             if answered(&o) {
                 Ok(())
             } else {
                 Err(format!("{o:?}\n{}", c.diag(1)))
             }
-        },
-    );
+        })
+    };
+    answered_within("the flow to node1's NodePort is answered by n2p1", 10);
     // The first datagram was a new flow; these take the known-flow path, which
     // remembers the route.
     for _ in 0..3 {
@@ -850,18 +849,7 @@ fn a_source_natted_flow_follows_a_neighbour_change() {
         ip = c.node(2).v4,
     ));
     let t0 = Instant::now();
-    eventually(
-        "the flow reaches n2p1 at node 2's new MAC",
-        Duration::from_secs(5),
-        || {
-            let o = send();
-            if answered(&o) {
-                Ok(())
-            } else {
-                Err(format!("{o:?}\n{}", c.diag(1)))
-            }
-        },
-    );
+    answered_within("the flow reaches n2p1 at node 2's new MAC", 5);
     eprintln!("answered again after {:?}", t0.elapsed());
     assert_eq!(
         c.counter(1, "external_translated"),
