@@ -266,6 +266,15 @@ impl World {
         let v4 = Ipv4Addr::new(10, 1, i as u8, 2);
         let v6: Ipv6Addr = format!("fd00:1:{i}::2").parse().unwrap();
         sh(&format!("ip netns add {netns}"));
+        // Recorded at once, so that a failing setup or server start still removes the
+        // namespace (Drop walks `pods`).
+        self.pods.push(Pod {
+            name: name.clone(),
+            netns: netns.clone(),
+            v4,
+            v6,
+            server: None,
+        });
         sh(&format!(
             "ip -n {node} link add veth{i} type veth peer name eth0 netns {netns} && \
              ip -n {node} link set veth{i} up && ip -n {node} addr add 10.1.{i}.1/24 dev veth{i} && \
@@ -276,13 +285,9 @@ impl World {
             node = self.node_ns
         ));
         let child = start_testsrv(&netns, &name, ports);
-        self.pods.push(Pod {
-            name,
-            netns,
-            v4,
-            v6,
-            server: Some(child),
-        });
+        if let Some(p) = self.pods.last_mut() {
+            p.server = Some(child);
+        }
     }
 
     pub fn pod(&self, name: &str) -> &Pod {
