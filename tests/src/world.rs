@@ -285,9 +285,7 @@ impl World {
             node = self.node_ns
         ));
         let child = start_testsrv(&netns, &name, ports);
-        if let Some(p) = self.pods.last_mut() {
-            p.server = Some(child);
-        }
+        self.pods.last_mut().expect("the pod pushed above").server = Some(child);
     }
 
     pub fn pod(&self, name: &str) -> &Pod {
