@@ -321,7 +321,7 @@ impl Engine {
             let programmed = self
                 .desired
                 .keys()
-                .map(|id| ObjectKey::new(id.namespace.clone(), id.name.clone()));
+                .map(|id| ObjectKey::new(&*id.namespace, &*id.name));
             self.store
                 .services
                 .keys()
@@ -407,9 +407,9 @@ impl Engine {
         // The smallest id of the Service: empty port name, then the first protocol and
         // family.
         let first = ServicePortId {
-            namespace: k.namespace.clone(),
-            name: k.name.clone(),
-            port_name: String::new(),
+            namespace: k.namespace.as_str().into(),
+            name: k.name.as_str().into(),
+            port_name: "".into(),
             protocol: Protocol::Tcp,
             family: model::IpFamily::V4,
         };
@@ -649,7 +649,7 @@ mod tests {
         let b_id = e
             .desired()
             .keys()
-            .find(|id| id.name == "b")
+            .find(|id| &*id.name == "b")
             .unwrap()
             .clone();
         assert_eq!(

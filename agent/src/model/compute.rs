@@ -572,9 +572,9 @@ impl Emitter<'_> {
     ) {
         let family = IpFamily::of(&cluster_ip.addr);
         let id = ServicePortId {
-            namespace: svc.namespace.clone(),
-            name: svc.name.clone(),
-            port_name: port.name.clone(),
+            namespace: svc.namespace.as_str().into(),
+            name: svc.name.as_str().into(),
+            port_name: port.name.as_str().into(),
             protocol: port.protocol,
             family,
         };

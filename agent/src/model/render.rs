@@ -121,9 +121,9 @@ mod tests {
 
     fn id(name: &str, port_name: &str, family: IpFamily) -> ServicePortId {
         ServicePortId {
-            namespace: "default".to_owned(),
-            name: name.to_owned(),
-            port_name: port_name.to_owned(),
+            namespace: "default".into(),
+            name: name.into(),
+            port_name: port_name.into(),
             protocol: Protocol::Tcp,
             family,
         }

@@ -1,6 +1,6 @@
 //! The model's output: a plain description of frontends and backend sets.
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{collections::BTreeMap, fmt, net::IpAddr, sync::Arc};
 
 use super::cidr::Cidr;
 
@@ -116,11 +116,13 @@ impl fmt::Display for IpFamily {
 /// kube-proxy's ServicePortName, plus the family: one per family of a dual-stack Service.
 /// Displays as `namespace/name:port/TCP/IPv4` (`port` is the Service port's name, may be empty).
 /// Ordered by namespace and name first: the engine finds a Service's ports as one range.
+/// The names are shared (`Arc<str>`): an id is copied into the desired state, the
+/// frontend owners and the planner's tables, and a copy then costs no allocation.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePortId {
-    pub namespace: String,
-    pub name: String,
-    pub port_name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
+    pub port_name: Arc<str>,
     pub protocol: Protocol,
     pub family: IpFamily,
 }
