@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 use super::compact::{
-    self, Address, EndpointLite, IngressLite, PortLite, ServiceLite, ServicePortLite, SliceLite,
+    self, EndpointLite, IngressLite, PortLite, ServiceLite, ServicePortLite, SliceLite,
     SpecLite, TRIGGER_TIME,
 };
 use super::store::ObjectKey;
@@ -311,19 +311,20 @@ impl EndpointWire {
                 .map(|n| n.name.unwrap_or_default())
                 .collect()
         };
-        EndpointLite {
-            address: self
-                .addresses
-                .unwrap_or_default()
-                .first()
-                .map(|a| Address::new(a)),
-            ready: c.as_ref().and_then(|c| c.ready),
-            serving: c.as_ref().and_then(|c| c.serving),
-            terminating: c.as_ref().and_then(|c| c.terminating),
-            node_name: self.node_name,
-            zone_hints: names(zones),
-            node_hints: names(nodes),
-        }
+        EndpointLite::new(
+            self.addresses
+                .as_deref()
+                .and_then(<[String]>::first)
+                .map(String::as_str),
+            (
+                c.as_ref().and_then(|c| c.ready),
+                c.as_ref().and_then(|c| c.serving),
+                c.as_ref().and_then(|c| c.terminating),
+            ),
+            self.node_name,
+            names(zones),
+            names(nodes),
+        )
     }
 }
 
