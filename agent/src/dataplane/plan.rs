@@ -417,13 +417,9 @@ pub fn desired_content_owned(
         // A tuple is placed already when its id is in `out` (one id per tuple).
         let fresh = tuples
             .iter()
-            .filter(|t| {
-                ids.backends
-                    .get(t)
-                    .is_none_or(|id| !out.placed.contains(id))
-            })
+            .filter(|t| ids.backends.get(t).is_none_or(|id| !out.is_placed(*id)))
             .count() as u32;
-        let used_b = out.placed.len() as u32;
+        let used_b = out.backend_count() as u32;
         if used_b + fresh > cap.backends {
             errors.push(PlanError::MapFull {
                 service: sp.id.clone(),
@@ -439,7 +435,6 @@ pub fn desired_content_owned(
         taken.insert(svc_id);
         owners.push((sp.id.clone(), place(sp, svc_id, ids, &mut out)));
     }
-    drop(taken);
     let out = out.build();
     let owners: BTreeMap<ServicePortId, Owned> = owners.into_iter().collect();
     ids.retain(&out, &owners);
@@ -465,67 +460,105 @@ impl Sink for MapContent {
     }
 }
 
-/// The full plan's content as flat lists, turned into maps once at the end: a BTreeMap
-/// built from sorted entries has full nodes, one filled entry by entry (in key order, as
-/// ids are handed out, or at random) about half-full ones. At 10000x10 that is the
-/// difference between ~8.5 and ~15.5 MiB for the three maps.
+/// The full plan's content, built in sorted chunks: a BTreeMap filled entry by entry
+/// (in key order, as ids are handed out, or at random) keeps its nodes about half full;
+/// one built from sorted entries, or merged from two with `append`, has full ones. Each
+/// chunk is sorted into a small map and merged into the whole (which frees the old nodes
+/// as it goes), so no list ever holds the whole content: at 10000x10 the three maps take
+/// ~8.5 MiB instead of ~15.5, and building them adds about a chunk.
 #[derive(Default)]
 struct Bulk {
-    services: Vec<(ServiceKey, ServiceValue)>,
-    backends: Vec<(u32, Backend)>,
-    members: Vec<MemberKey>,
-    /// Backend ids placed so far (a backend shared by ServicePorts is listed once each).
-    placed: std::collections::HashSet<u32>,
+    services: Chunked<ServiceKey, ServiceValue>,
+    backends: Chunked<u32, Backend>,
+    members: Chunked<MemberKey, ()>,
+    /// Backend ids in the current chunk of `backends` (a backend shared by ServicePorts
+    /// is written once by each).
+    chunk_backends: std::collections::HashSet<u32>,
+}
+
+/// Entries per sorted chunk.
+const CHUNK: usize = 16 * 1024;
+
+struct Chunked<K, V> {
+    done: BTreeMap<K, V>,
+    chunk: Vec<(K, V)>,
+}
+
+impl<K, V> Default for Chunked<K, V> {
+    fn default() -> Self {
+        Chunked {
+            done: BTreeMap::new(),
+            chunk: Vec::new(),
+        }
+    }
+}
+
+impl<K: Ord, V> Chunked<K, V> {
+    /// Adds an entry; true when that merged the chunk.
+    fn push(&mut self, k: K, v: V) -> bool {
+        if self.chunk.capacity() == 0 {
+            self.chunk.reserve_exact(CHUNK);
+        }
+        self.chunk.push((k, v));
+        let full = self.chunk.len() == CHUNK;
+        if full {
+            self.flush();
+        }
+        full
+    }
+
+    /// Merges the chunk in. `collect` (a stable sort) and `append` both keep the last
+    /// value written per key, as `insert` does.
+    fn flush(&mut self) {
+        let mut chunk: BTreeMap<K, V> = std::mem::take(&mut self.chunk).into_iter().collect();
+        self.done.append(&mut chunk);
+    }
+
+    /// Entries so far (a key written twice in the current chunk counts twice).
+    fn len(&self) -> usize {
+        self.done.len() + self.chunk.len()
+    }
+
+    fn build(mut self) -> BTreeMap<K, V> {
+        self.flush();
+        self.done
+    }
 }
 
 impl Sink for Bulk {
     fn service(&mut self, k: ServiceKey, v: ServiceValue) {
-        self.services.push((k, v));
+        self.services.push(k, v);
     }
     fn backend(&mut self, id: u32, b: Backend) {
-        self.placed.insert(id);
-        self.backends.push((id, b));
+        if !self.backends.done.contains_key(&id) {
+            self.chunk_backends.insert(id);
+        }
+        if self.backends.push(id, b) {
+            self.chunk_backends = Default::default();
+        }
     }
     fn member(&mut self, m: MemberKey) {
-        self.members.push(m);
+        self.members.push(m, ());
     }
 }
 
 impl Bulk {
-    /// The maps, with what a map's `insert` would keep: the last value written per key.
-    /// One list at a time, each freed before the next map is built.
+    fn is_placed(&self, id: u32) -> bool {
+        self.backends.done.contains_key(&id) || self.chunk_backends.contains(&id)
+    }
+
+    /// Distinct backends placed so far.
+    fn backend_count(&self) -> usize {
+        self.backends.done.len() + self.chunk_backends.len()
+    }
+
     fn build(self) -> MapContent {
-        let Bulk {
-            services,
-            backends,
-            mut members,
-            placed,
-        } = self;
-        drop(placed);
-        let services = last_per_key(services).into_iter().collect();
-        let backends = last_per_key(backends).into_iter().collect();
-        members.sort_unstable();
-        members.dedup();
-        let members = members.into_iter().collect();
         MapContent {
-            services,
-            backends,
-            members,
+            services: self.services.build(),
+            backends: self.backends.build(),
+            members: self.members.build().into_keys().collect(),
         }
     }
-}
-
-/// Sorts by key (stable, so equal keys stay in write order) and keeps the last of each.
-fn last_per_key<K: Ord + Copy, V: Copy>(mut v: Vec<(K, V)>) -> Vec<(K, V)> {
-    v.sort_by_key(|e| e.0);
-    v.dedup_by(|later, kept| {
-        let same = later.0 == kept.0;
-        if same {
-            *kept = *later;
-        }
-        same
-    });
-    v
 }
 
 /// Writes one ServicePort's entries into `out` and returns what it owns.
@@ -1815,5 +1848,111 @@ pub(crate) mod tests {
             ]
         );
         assert!(summarize(&[]).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod bulk_tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::model::{Endpoint, EndpointSet, IpFamily};
+
+    /// `n` ClusterIP ServicePorts of 10 endpoints; neighbours share 5 backends, and every
+    /// 7th endpoint is terminating in one Service and not in the next (the same backend
+    /// written with other flags: the last write wins, as with `insert`).
+    fn many(n: u32) -> DesiredState {
+        let mut d = DesiredState::default();
+        for i in 0..n {
+            let id = ServicePortId {
+                namespace: "default".into(),
+                name: format!("svc-{i}").into(),
+                port_name: "http".into(),
+                protocol: Protocol::Tcp,
+                family: IpFamily::V4,
+            };
+            let endpoints = (0..10)
+                .map(|j| Endpoint {
+                    addr: IpAddr::V4(Ipv4Addr::from(0x0a80_0000 + i * 5 + j)),
+                    port: 8080,
+                    terminating: (i * 5 + j) % 7 == 0 && i % 2 == 0,
+                    local: false,
+                })
+                .collect();
+            let frontend = FrontendState {
+                addr: IpAddr::V4(Ipv4Addr::from(0x0a60_0000 + i)),
+                port: 80,
+                kind: FrontendKind::ClusterIp,
+                scope: Scope::LocalOrigin,
+                set: EndpointSet {
+                    endpoints,
+                    empty_action: EmptyAction::Reject,
+                    terminating_fallback: false,
+                    local_policy: false,
+                    topology: false,
+                },
+            };
+            let sp = ServicePortState {
+                id: id.clone(),
+                affinity_timeout_s: None,
+                frontends: vec![frontend],
+                source_ranges: None,
+            };
+            d.services.insert(id, sp);
+        }
+        d
+    }
+
+    #[test]
+    fn a_full_plan_over_many_chunks_equals_entry_by_entry_placement() {
+        // 3000 x 11 service entries: two chunks and a part.
+        let d = many(3000);
+        let cap = Capacity {
+            services: 1 << 20,
+            backends: 1 << 20,
+        };
+        let (content, errors, owners) = desired_content_owned(
+            &d,
+            &mut Ids::adopt(&MapContent::default()),
+            &MapContent::default(),
+            cap,
+        );
+        assert!(errors.is_empty());
+        let mut ids = Ids::adopt(&MapContent::default());
+        let mut expected = MapContent::default();
+        for (n, sp) in d.services.values().enumerate() {
+            let owned = place(sp, n as u32 + 1, &mut ids, &mut expected);
+            assert_eq!(owners[&sp.id], owned);
+        }
+        assert_eq!(content.services.len(), 3000 * 11);
+        assert_eq!(content.backends.len(), 3000 * 5 + 5);
+        assert_eq!(content, expected);
+    }
+
+    #[test]
+    fn capacity_counts_distinct_backends_across_chunks() {
+        let d = many(3000);
+        // Room for all but 1 backend. Placed in name order, svc-998 (the last but one)
+        // is the first to bring 5 new ones and does not fit; svc-999 then brings the 5
+        // it would have shared with svc-998 and does not fit either.
+        let cap = Capacity {
+            services: 1 << 20,
+            backends: 3000 * 5 + 4,
+        };
+        let (content, errors, _) = desired_content_owned(
+            &d,
+            &mut Ids::adopt(&MapContent::default()),
+            &MapContent::default(),
+            cap,
+        );
+        let refused: Vec<(String, u32)> = errors
+            .iter()
+            .map(|e| match e {
+                PlanError::MapFull { service, free, .. } => (service.name.to_string(), *free),
+                PlanError::TooManyEndpoints { .. } => unreachable!(),
+            })
+            .collect();
+        assert_eq!(refused, [("svc-998".into(), 4), ("svc-999".into(), 4)]);
+        assert_eq!(content.backends.len(), 3000 * 5);
     }
 }
