@@ -556,8 +556,8 @@ impl Syncer {
             .health_checks()
             .iter()
             .map(|(k, h)| HealthCheckService {
-                namespace: k.namespace.clone(),
-                name: k.name.clone(),
+                namespace: k.namespace.to_string(),
+                name: k.name.to_string(),
                 port: h.port,
                 local_endpoints: h.local_endpoints,
             })

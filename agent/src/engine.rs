@@ -14,7 +14,7 @@ use crate::{
         self, FrontendKind, HealthCheck, NodeInfo, Problem, Protocol, Scope, ServicePortId,
         ServicePortState, Skip,
     },
-    source::{ObjectKey, ServiceLite, SliceLite, SourceEvent},
+    source::{ObjectKey, ServiceLite, SliceLite, SourceEvent, compact::Name},
 };
 
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -38,10 +38,7 @@ impl Dirty {
 /// The Service an EndpointSlice belongs to (same namespace, `kubernetes.io/service-name`).
 fn owner_of(slice: &SliceLite) -> Option<ObjectKey> {
     let name = slice.label(SERVICE_NAME_LABEL)?;
-    Some(ObjectKey::new(
-        slice.namespace.to_string(),
-        name.to_string(),
-    ))
+    Some(ObjectKey::new(slice.namespace.clone(), name))
 }
 
 #[derive(Debug, Default)]
@@ -52,7 +49,7 @@ pub struct Store {
     slices: HashMap<ObjectKey, Box<SliceLite>>,
     /// Each Service's slices, by name (a slice is in its Service's namespace), sorted: a
     /// Vec, as a Service has one or a few, where a BTreeSet would allocate a whole node.
-    slices_by_service: HashMap<ObjectKey, Vec<Box<str>>>,
+    slices_by_service: HashMap<ObjectKey, Vec<Name>>,
     /// Slices that name no Service (reported, never programmed).
     orphans: BTreeSet<ObjectKey>,
     node: Option<Node>,
@@ -127,10 +124,15 @@ impl Store {
         self.remove_slice(&k, dirty);
         match owner_of(&slice) {
             Some(owner) => {
+                // The Service's own key when it is stored: its names are shared, not copied.
+                let owner = match self.services.get_key_value(&owner) {
+                    Some((k, _)) => k.clone(),
+                    None => owner,
+                };
                 let names = self.slices_by_service.entry(owner.clone()).or_default();
                 if let Err(at) = names.binary_search_by(|n| (**n).cmp(&k.name)) {
                     names.reserve_exact(1);
-                    names.insert(at, k.name.as_str().into());
+                    names.insert(at, k.name.clone());
                 }
                 dirty.services.insert(owner);
             }
@@ -176,7 +178,7 @@ impl Store {
     /// The keys of a Service's slices, in name order.
     fn slice_keys<'a>(&'a self, svc: &'a ObjectKey) -> impl Iterator<Item = ObjectKey> + 'a {
         let names = self.slices_by_service.get(svc).into_iter().flatten();
-        names.map(|n| ObjectKey::new(svc.namespace.clone(), n.to_string()))
+        names.map(|n| ObjectKey::new(svc.namespace.clone(), n.clone()))
     }
 
     /// The Service's slices as API objects, for the model (built only for Services that
@@ -407,8 +409,8 @@ impl Engine {
         // The smallest id of the Service: empty port name, then the first protocol and
         // family.
         let first = ServicePortId {
-            namespace: k.namespace.as_str().into(),
-            name: k.name.as_str().into(),
+            namespace: k.namespace.clone(),
+            name: k.name.clone(),
             port_name: "".into(),
             protocol: Protocol::Tcp,
             family: model::IpFamily::V4,

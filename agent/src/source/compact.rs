@@ -31,6 +31,9 @@ pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time
 
 type Text = Box<str>;
 
+/// An object's namespace or name: shared with its [`ObjectKey`] in the store's tables.
+pub type Name = std::sync::Arc<str>;
+
 /// A value most objects share (a type, protocol or policy name): the known ones are not
 /// allocated per object.
 pub type Word = Cow<'static, str>;
@@ -62,8 +65,8 @@ pub(super) fn word(s: &str) -> Word {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceLite {
-    pub namespace: Text,
-    pub name: Text,
+    pub namespace: Name,
+    pub name: Name,
     pub labels: Box<[(Text, Text)]>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, for network programming latency.
     pub trigger_time: Option<Text>,
@@ -184,7 +187,7 @@ impl fmt::Display for Address {
 
 impl SliceLite {
     pub fn key(&self) -> ObjectKey {
-        ObjectKey::new(self.namespace.to_string(), self.name.to_string())
+        ObjectKey::new(self.namespace.clone(), self.name.clone())
     }
 
     pub fn label(&self, key: &str) -> Option<&str> {
@@ -238,8 +241,8 @@ impl SliceLite {
             })
             .collect();
         Some(SliceLite {
-            namespace: text(meta.namespace.as_deref().unwrap_or("default")),
-            name: text(meta.name.as_deref()?),
+            namespace: meta.namespace.as_deref().unwrap_or("default").into(),
+            name: meta.name.as_deref()?.into(),
             labels,
             trigger_time: meta
                 .annotations
@@ -349,8 +352,8 @@ fn strings(list: &[Text]) -> Vec<String> {
 /// conditions or bookkeeping metadata.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceLite {
-    pub namespace: Text,
-    pub name: Text,
+    pub namespace: Name,
+    pub name: Name,
     pub labels: Box<[(Text, Text)]>,
     /// `None` when the Service has none (the model reports it).
     pub spec: Option<SpecLite>,
@@ -391,7 +394,7 @@ pub struct IngressLite {
 
 impl ServiceLite {
     pub fn key(&self) -> ObjectKey {
-        ObjectKey::new(self.namespace.to_string(), self.name.to_string())
+        ObjectKey::new(self.namespace.clone(), self.name.clone())
     }
 
     /// `None` when the Service has no name (never stored). No namespace means `default`.
@@ -403,8 +406,8 @@ impl ServiceLite {
             .and_then(|s| s.load_balancer.as_ref())
             .and_then(|lb| lb.ingress.as_ref());
         Some(ServiceLite {
-            namespace: text(&key.namespace),
-            name: text(&key.name),
+            namespace: key.namespace.clone(),
+            name: key.name.clone(),
             labels: kept_labels(&svc.metadata),
             spec: svc.spec.as_ref().map(SpecLite::from_k8s),
             ingress: ingress

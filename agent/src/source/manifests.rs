@@ -989,10 +989,10 @@ fn merge_one(
             pending.slices.insert(key);
         }
         (_, Some(Object::Node(node))) => {
-            if merged.nodes.get(&key.name) == Some(&**node) {
+            if merged.nodes.get(&*key.name) == Some(&**node) {
                 return false;
             }
-            merged.nodes.insert(key.name, Node::clone(node));
+            merged.nodes.insert(key.name.to_string(), Node::clone(node));
             pending.nodes = true;
         }
         ("Service", None) => {
@@ -1008,7 +1008,7 @@ fn merge_one(
             pending.slices.insert(key);
         }
         (_, None) => {
-            if merged.nodes.remove(&key.name).is_none() {
+            if merged.nodes.remove(&*key.name).is_none() {
                 return false;
             }
             pending.nodes = true;
@@ -1691,7 +1691,7 @@ metadata:
             .unwrap()
             .unwrap();
         assert!(
-            matches!(&update.events[..], [SourceEvent::ServiceDeleted(k)] if k.name == "web"),
+            matches!(&update.events[..], [SourceEvent::ServiceDeleted(k)] if &*k.name == "web"),
             "{update:?}"
         );
 

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -11,14 +12,16 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 pub const DEFAULT_NAMESPACE: &str = "default";
 
 /// Identifies a namespaced object of a given kind; displays as `namespace/name`.
+/// The names are shared (`Arc<str>`): a key is copied into several tables (the store,
+/// each Service's slices, dirty sets, the synced set), and a copy allocates nothing.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl ObjectKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         Self {
             namespace: namespace.into(),
             name: name.into(),

@@ -18,8 +18,8 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 use super::compact::{
-    self, EndpointLite, IngressLite, PortLite, ServiceLite, ServicePortLite, SliceLite,
-    SpecLite, TRIGGER_TIME,
+    self, EndpointLite, IngressLite, PortLite, ServiceLite, ServicePortLite, SliceLite, SpecLite,
+    TRIGGER_TIME,
 };
 use super::store::ObjectKey;
 
@@ -34,8 +34,8 @@ pub(super) fn service(text: &str) -> Option<Decoded<ServiceLite>> {
     let object_meta = meta.object_meta();
     let key = ObjectKey::from_meta(&object_meta);
     let lite = key.map(|key| ServiceLite {
-        namespace: key.namespace.into(),
-        name: key.name.into(),
+        namespace: key.namespace,
+        name: key.name,
         labels: meta.labels.map(|l| l.0).unwrap_or_default(),
         spec: w.spec.map(SpecWire::into_lite),
         ingress: w
@@ -59,8 +59,8 @@ pub(super) fn slice(text: &str) -> Option<Decoded<SliceLite>> {
     let meta = w.metadata.unwrap_or_default();
     let object_meta = meta.object_meta();
     let lite = meta.name.map(|name| SliceLite {
-        namespace: meta.namespace.unwrap_or_else(|| "default".into()),
-        name,
+        namespace: meta.namespace.map_or_else(|| "default".into(), Into::into),
+        name: name.into(),
         labels: meta.labels.map(|l| l.0).unwrap_or_default(),
         trigger_time: meta.annotations.and_then(|a| a.0),
         address_type: compact::word(w.address_type.as_deref().unwrap_or_default()),
