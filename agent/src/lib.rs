@@ -10,6 +10,7 @@
 //!   nodes, masquerade.
 
 pub mod agent;
+pub mod btree;
 pub mod dataplane;
 pub mod engine;
 pub mod explain;

@@ -194,7 +194,9 @@ impl Owned {
 /// pinned maps on restart, so unchanged services are never rewritten.
 #[derive(Clone, Debug, Default)]
 pub struct Ids {
-    pub(crate) backends: HashMap<BackendTuple, u32>,
+    /// A BTreeMap, compacted after a full plan: at 120,000 backends (30000x4) a hash table
+    /// has just doubled to 262,144 buckets (6.5 MiB); full nodes take 3 MiB.
+    pub(crate) backends: BTreeMap<BackendTuple, u32>,
     pub(crate) services: HashMap<ServicePortId, u32>,
     next_backend: u32,
     pub(crate) next_service: u32,
@@ -438,6 +440,7 @@ pub fn desired_content_owned(
     let out = out.build();
     let owners: BTreeMap<ServicePortId, Owned> = owners.into_iter().collect();
     ids.retain(&out, &owners);
+    crate::btree::compact(&mut ids.backends);
     (out, errors, owners)
 }
 
