@@ -16,8 +16,9 @@ pub mod sock;
 /// Version of the pinned map layout. Maps are pinned in `<bpffs>/v<N>/` with the version
 /// also stored in [`META_MAP`]; an agent that finds another version pinned migrates
 /// (fills its own maps, swaps the programs behind the pinned links, removes the old
-/// maps) instead of misreading them. Layout 1 pinned maps directly in `<bpffs>`; layout 3 added the tc path's maps and counters; layout 4 the tc path's ClientIP affinity map.
-pub const LAYOUT_VERSION: u32 = 4;
+/// maps) instead of misreading them. Layout 1 pinned maps directly in `<bpffs>`; layout 3 added the tc path's maps and counters; layout 4 the tc path's ClientIP affinity map; layout 5 made
+/// the per-Service connection counters an array indexed by service id.
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// Array map (1 entry, [`Meta`]) that records which layout the pins were written with.
 pub const META_MAP: &str = "FERRY_META";

@@ -3,13 +3,11 @@
 /// Per-CPU array `u64`, indexed by `COUNT_*`.
 pub const COUNTERS_MAP: &str = "FERRY_COUNTERS";
 
-/// Per-CPU hash `u32` service id (`ServiceValue::svc_id`) -> `u64`: connects and
-/// unconnected datagrams translated for that ServicePort. Created without
-/// preallocation (`BPF_F_NO_PREALLOC`): an entry exists once the Service got traffic.
-/// The agent removes the entries of ids it no longer programs.
+/// Per-CPU array of `u64` indexed by service id (`ServiceValue::svc_id`): connects and
+/// unconnected datagrams translated for that ServicePort. The agent keeps ids below the
+/// array size (it recycles freed ids) and zeroes a slot before an id is reused.
 pub const SVC_CONNS_MAP: &str = "FERRY_SVC_CONNS";
-/// Size of [`SVC_CONNS_MAP`]: distinct service ids with traffic (the default service map
-/// holds at most this many frontends, so at most this many ids).
+/// Default size of [`SVC_CONNS_MAP`]; the agent sizes it like the service map.
 pub const SVC_CONNS_MAX_ENTRIES: u32 = 131072;
 
 /// A connect or datagram was translated to a backend.

@@ -4,7 +4,7 @@
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, bpf_fib_lookup},
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use ferry_common::{
     Addr, Meta,
@@ -52,24 +52,19 @@ pub(crate) fn count(reason: u32) {
     }
 }
 
-/// Translated connects and datagrams per service id (`SVC_CONNS_MAP`). Not preallocated:
-/// memory follows the Services that get traffic, not the map size.
+/// Translated connects and datagrams per service id (`SVC_CONNS_MAP`): a per-CPU array
+/// indexed by the id, so counting is an index, not a hash and a bucket walk.
 #[map(name = "FERRY_SVC_CONNS")]
-pub(crate) static SVC_CONNS: PerCpuHashMap<u32, u64> =
-    PerCpuHashMap::with_max_entries(SVC_CONNS_MAX_ENTRIES, BPF_F_NO_PREALLOC);
+pub(crate) static SVC_CONNS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(SVC_CONNS_MAX_ENTRIES, 0);
 
-/// Adds one to a service's connection count: one lookup and an add; the first
-/// connection of a Service on a CPU inserts its entry (the other CPUs' slots start at 0).
+/// Adds one to a service's connection count. An id beyond the array (never planned so,
+/// see the agent's id recycling) is not counted; the connect goes on.
 #[inline(always)]
 pub(crate) fn count_service(svc_id: u32) {
-    match SVC_CONNS.get_ptr_mut(svc_id) {
-        // SAFETY: per-CPU value, this program is the only writer on this CPU right now.
-        Some(ptr) => unsafe { *ptr += 1 },
-        None => {
-            // BPF_ANY: if another CPU created the entry meanwhile, this only sets this
-            // CPU's slot, which was 0.
-            let _ = SVC_CONNS.insert(svc_id, 1, 0);
-        }
+    if let Some(ptr) = SVC_CONNS.get_ptr_mut(svc_id) {
+        // SAFETY: per-CPU slot, this program is the only writer on this CPU right now.
+        unsafe { *ptr += 1 };
     }
 }
 

@@ -186,6 +186,56 @@ fn metrics_count_connections_rejects_and_map_fill() {
     assert_eq!((code, mode.as_str()), (200, "ebpf"));
 }
 
+/// The per-Service counts are an array indexed by service id and ids are reused: a
+/// Service created after another was deleted takes its id and must start from 0.
+#[test]
+fn a_reused_service_id_starts_counting_from_zero() {
+    let mut w = World::new("opsreuse", 1, &[8080]);
+    let p1 = w.pod("pod1").v4;
+    let (old, new) = ("10.96.0.20", "10.96.0.21");
+    let http = [("http", 80, "TCP")];
+    let target = [("http", 8080, "TCP")];
+    let one = |name: &str, vip: &str| {
+        docs(&[
+            service(name, &[vip], &http, ""),
+            slice(name, &format!("{name}-1"), "IPv4", &target, &[ep(p1)]),
+        ])
+    };
+    w.write_manifest("old.yaml", &one("old", old));
+    w.start_agent(&[]);
+    let outs = w.probe("tcp", &format!("{old}:80"), 5);
+    assert!(outs.iter().all(|o| o.ok), "{outs:?}");
+    wait_sample(&w, &connections("old"), 5.0);
+
+    // Delete it and wait until its frontend is gone from the maps (its id released)...
+    w.remove_manifest("old.yaml");
+    eventually("old's frontend removed", Duration::from_secs(15), || {
+        let list = w.list_json().to_string();
+        if list.contains(old) {
+            Err(list)
+        } else {
+            Ok(())
+        }
+    });
+    // ...then a new Service, planned after that release, takes the freed id.
+    w.write_manifest("new.yaml", &one("new", new));
+    eventually("new Service programmed", Duration::from_secs(15), || {
+        let list = w.list_json().to_string();
+        if list.contains(new) {
+            Ok(())
+        } else {
+            Err(list)
+        }
+    });
+    let outs = w.probe("tcp", &format!("{new}:80"), 2);
+    assert!(outs.iter().all(|o| o.ok), "{outs:?}");
+    let m = wait_sample(&w, &connections("new"), 2.0);
+    assert!(
+        sample(&m, &connections("old")).is_none(),
+        "a deleted Service has no count:\n{m}"
+    );
+}
+
 #[test]
 fn network_programming_latency_from_the_trigger_time() {
     let mut w = World::new("opsnpl", 2, &[8080]);

@@ -4,13 +4,16 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     os::fd::AsFd,
     path::Path,
-    sync::Mutex,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use aya::{
     Ebpf, Pod,
-    maps::{HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuHashMap},
+    maps::{HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuValues},
 };
 use ferry_common::{
     ct::{CT_MAP, CtEntry, CtKey},
@@ -47,7 +50,10 @@ pub struct KernelMaps {
 struct Observed {
     affinity: Option<HashMap<MapData, AffinityKey, AffinityValue>>,
     revnat: Option<HashMap<MapData, RevNatKey, RevNatValue>>,
-    svc_conns: Option<PerCpuHashMap<MapData, u32, u64>>,
+    svc_conns: Option<PerCpuArray<MapData, u64>>,
+    /// One above the highest service id written: reads of `svc_conns` stop there instead
+    /// of walking the whole array (0: not known, as in `ferry list`; walk it all).
+    svc_ids_end: Arc<AtomicU32>,
 }
 
 /// What an apply did; failures name the frontend or backend at fault.
@@ -86,6 +92,7 @@ impl KernelMaps {
                 affinity: take(ebpf, AFFINITY_MAP).ok(),
                 revnat: take(ebpf, SOCK_REVNAT_MAP).ok(),
                 svc_conns: take(ebpf, SVC_CONNS_MAP).ok(),
+                svc_ids_end: Default::default(),
             },
             external: ExternalMaps::from_ebpf(ebpf),
         })
@@ -101,7 +108,8 @@ impl KernelMaps {
             observed: Observed {
                 affinity: open(dir, AFFINITY_MAP, Map::LruHashMap).ok(),
                 revnat: open(dir, SOCK_REVNAT_MAP, Map::LruHashMap).ok(),
-                svc_conns: open(dir, SVC_CONNS_MAP, Map::PerCpuHashMap).ok(),
+                svc_conns: open(dir, SVC_CONNS_MAP, Map::PerCpuArray).ok(),
+                svc_ids_end: Default::default(),
             },
             // Conntrack is pinned beside the layout directories (it outlives them).
             external: ExternalMaps::open_pinned(
@@ -125,6 +133,7 @@ impl KernelMaps {
         for k in self.members.keys() {
             c.members.insert(k?);
         }
+        self.note_service_ids(c.services.values().map(|v| v.svc_id));
         Ok(c)
     }
 
@@ -153,6 +162,7 @@ impl KernelMaps {
     /// one, which for 10,000 Services would copy every entry once more.
     pub fn fill(&mut self, content: &MapContent, external: &ExternalPlan) -> ApplyReport {
         let mut r = ApplyReport::default();
+        self.note_service_ids(content.services.values().map(|v| v.svc_id));
         let fail = |r: &mut ApplyReport, what: String| r.failures.push(what);
         for (id, b) in &content.backends {
             match self.backends.insert(id, b, 0) {
@@ -205,6 +215,11 @@ impl KernelMaps {
     /// a full map their entries are the room the new frontends are planned into.
     pub fn apply(&mut self, plan: &Plan) -> ApplyReport {
         let mut r = ApplyReport::default();
+        self.note_service_ids(
+            plan.frontends
+                .iter()
+                .filter_map(|f| f.slot0_value.map(|v| v.svc_id)),
+        );
         for k in &plan.frontend_deletes {
             self.delete_service(k, &mut r);
         }
@@ -299,6 +314,8 @@ impl KernelMaps {
                 self.delete_service(k, &mut r);
             }
         }
+        // After the frontends that used them are gone; before any plan reuses them.
+        self.zero_service_connections(&plan.released_services);
         if let Some(ext) = &mut self.external {
             r.writes += plan.external.range_deletes.len() + plan.external.maglev_deletes.len();
             ext.delete(&plan.external, &mut r.failures);
@@ -373,43 +390,73 @@ impl KernelMaps {
             .unwrap_or_default()
     }
 
-    /// Translated connects and datagrams per service id, summed over CPUs.
+    /// Translated connects and datagrams per service id, summed over CPUs (ids with none
+    /// are left out).
     pub fn service_connections(&self) -> BTreeMap<u32, u64> {
         self.observed
             .svc_conns
             .as_ref()
-            .map(service_connections)
+            .map(|m| service_connections(m, &self.observed.svc_ids_end))
             .unwrap_or_default()
     }
 
     /// Copies the per-ServicePort connection counts into another generation's maps (see
     /// `growth`). Returns how many were copied.
     pub fn carry_service_connections(&self, to: &mut KernelMaps) -> usize {
-        let (Some(from), Some(to)) = (&self.observed.svc_conns, &mut to.observed.svc_conns) else {
+        let (Some(from), Some(to_map)) = (&self.observed.svc_conns, &mut to.observed.svc_conns)
+        else {
             return 0;
         };
-        let cap = max_entries(from.map()) as usize;
-        from.iter()
-            .take(cap)
-            .filter_map(Result::ok)
-            .filter_map(|(id, counts)| to.insert(id, counts, 0).ok())
-            .count()
+        let end = self.observed.svc_ids_end.load(Ordering::Relaxed);
+        to.observed.svc_ids_end.fetch_max(end, Ordering::Relaxed);
+        let mut n = 0;
+        for id in 0..ids_end(from, &self.observed.svc_ids_end).min(to_map.len()) {
+            if let Ok(v) = from.get(&id, 0)
+                && v.iter().any(|c| *c != 0)
+                && to_map.set(id, v, 0).is_ok()
+            {
+                n += 1;
+            }
+        }
+        n
     }
 
-    /// Removes the connection counts of service ids no longer programmed, so an id reused
-    /// after a restart starts from zero. Returns how many were removed.
+    /// Zeroes the connection counts of service ids no longer programmed, so an id reused
+    /// later (or after a restart) starts from zero. Returns how many were zeroed.
     pub fn prune_service_connections(&mut self, live: &BTreeSet<u32>) -> usize {
+        let Some(m) = &self.observed.svc_conns else {
+            return 0;
+        };
+        let stale: Vec<u32> = service_connections(m, &self.observed.svc_ids_end)
+            .into_keys()
+            .filter(|id| !live.contains(id))
+            .collect();
+        self.zero_service_connections(&stale)
+    }
+
+    /// Sets the given ids' connection counts to 0 on every CPU.
+    fn zero_service_connections(&mut self, ids: &[u32]) -> usize {
         let Some(m) = &mut self.observed.svc_conns else {
             return 0;
         };
-        let cap = max_entries(m.map()) as usize;
-        let stale: Vec<u32> = m
-            .keys()
-            .take(cap)
-            .filter_map(Result::ok)
-            .filter(|id| !live.contains(id))
-            .collect();
-        stale.iter().filter(|id| m.remove(id).is_ok()).count()
+        let Ok(cpus) = aya::util::nr_cpus() else {
+            return 0;
+        };
+        ids.iter()
+            .filter(|id| {
+                PerCpuValues::try_from(vec![0u64; cpus])
+                    .is_ok_and(|zero| m.set(**id, zero, 0).is_ok())
+            })
+            .count()
+    }
+
+    /// Notes the ids a write gives frontends, so reads cover them.
+    fn note_service_ids(&self, ids: impl Iterator<Item = u32>) {
+        if let Some(hi) = ids.max() {
+            self.observed
+                .svc_ids_end
+                .fetch_max(hi.saturating_add(1), Ordering::Relaxed);
+        }
     }
 
     /// Independent handles for `/metrics`, which reads them on scrape, off the sync loop.
@@ -442,20 +489,22 @@ impl KernelMaps {
         }
         let svc_conns = match &self.observed.svc_conns {
             Some(c) => {
-                let c: PerCpuHashMap<MapData, u32, u64> =
-                    PerCpuHashMap::try_from(Map::PerCpuHashMap(dup(c.map())?))
+                let c: PerCpuArray<MapData, u64> =
+                    PerCpuArray::try_from(Map::PerCpuArray(dup(c.map())?))
                         .map_err(std::io::Error::other)?;
-                let counted: PerCpuHashMap<MapData, u32, u64> =
-                    PerCpuHashMap::try_from(Map::PerCpuHashMap(dup(c.map())?))
+                let counted: PerCpuArray<MapData, u64> =
+                    PerCpuArray::try_from(Map::PerCpuArray(dup(c.map())?))
                         .map_err(std::io::Error::other)?;
+                let end = self.observed.svc_ids_end.clone();
+                // Entries of an array are its ids with traffic.
                 fill.push((
                     SVC_CONNS_MAP,
                     Box::new(move || {
-                        let cap = max_entries(counted.map());
-                        (count_keys(counted.keys(), cap), cap)
+                        let n = service_connections(&counted, &end).len();
+                        (n, counted.len())
                     }),
                 ));
-                Some(c)
+                Some((c, self.observed.svc_ids_end.clone()))
             }
             None => None,
         };
@@ -467,12 +516,18 @@ impl KernelMaps {
     }
 }
 
-fn service_connections(m: &PerCpuHashMap<MapData, u32, u64>) -> BTreeMap<u32, u64> {
-    let cap = max_entries(m.map()) as usize;
-    m.iter()
-        .take(cap)
-        .filter_map(Result::ok)
-        .map(|(id, per_cpu)| (id, per_cpu.iter().sum()))
+/// How far reads of the counter array go: the ids written so far, or all of it.
+fn ids_end(m: &PerCpuArray<MapData, u64>, end: &AtomicU32) -> u32 {
+    match end.load(Ordering::Relaxed) {
+        0 => m.len(),
+        n => n.min(m.len()),
+    }
+}
+
+fn service_connections(m: &PerCpuArray<MapData, u64>, end: &AtomicU32) -> BTreeMap<u32, u64> {
+    (0..ids_end(m, end))
+        .filter_map(|id| Some((id, m.get(&id, 0).ok()?.iter().sum::<u64>())))
+        .filter(|(_, n)| *n != 0)
         .collect()
 }
 
@@ -512,7 +567,7 @@ pub struct MapSnapshot {
 /// Handles on the maps for `/metrics`, with their own fds (see [`KernelMaps::stats`]).
 pub struct MapStats {
     fill: Vec<(&'static str, FillFn)>,
-    svc_conns: Option<PerCpuHashMap<MapData, u32, u64>>,
+    svc_conns: Option<(PerCpuArray<MapData, u64>, Arc<AtomicU32>)>,
     cache: Mutex<Option<(Instant, Vec<MapFill>)>>,
 }
 
@@ -550,7 +605,7 @@ impl MapStats {
             service_connections: self
                 .svc_conns
                 .as_ref()
-                .map(service_connections)
+                .map(|(m, end)| service_connections(m, end))
                 .unwrap_or_default(),
         }
     }

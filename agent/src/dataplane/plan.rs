@@ -199,7 +199,14 @@ pub struct Ids {
     pub(crate) backends: BTreeMap<BackendTuple, u32>,
     pub(crate) services: HashMap<ServicePortId, u32>,
     next_backend: u32,
-    pub(crate) next_service: u32,
+    next_service: u32,
+    /// Service ids free for reuse (their counters were zeroed when they were released),
+    /// so ids stay below the service capacity under churn (the per-Service counters are
+    /// an array indexed by id).
+    free_services: BTreeSet<u32>,
+    /// Ids released by the plan being built: free only from the next one, after that
+    /// plan's apply zeroed their counters (`Plan::released_services`).
+    released_services: Vec<u32>,
 }
 
 impl Ids {
@@ -215,10 +222,41 @@ impl Ids {
             ids.backends.insert((b.addr, b.port, b.proto), *id);
             ids.next_backend = ids.next_backend.max(id + 1);
         }
-        for v in current.services.values() {
-            ids.next_service = ids.next_service.max(v.svc_id + 1);
-        }
+        // Only slot 0 carries the id (slots 1.. hold 0 there).
+        let used: BTreeSet<u32> = current
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(_, v)| v.svc_id)
+            .collect();
+        ids.next_service = used.last().map_or(1, |hi| hi + 1);
+        // Gaps below the highest id are free: no frontend in the kernel uses them.
+        ids.free_services = (1..ids.next_service)
+            .filter(|id| !used.contains(id))
+            .collect();
         ids
+    }
+
+    /// A service id no ServicePort holds: the lowest free one, else a new one.
+    pub(crate) fn fresh_service(&mut self) -> u32 {
+        self.free_services.pop_first().unwrap_or_else(|| {
+            let id = self.next_service.max(1);
+            self.next_service = id + 1;
+            id
+        })
+    }
+
+    /// Marks `id` unused from the next plan on (this one still deletes its frontends).
+    pub(crate) fn release_service(&mut self, id: u32) {
+        self.released_services.push(id);
+    }
+
+    /// Ids released while building this plan, for it to zero their counters; they are
+    /// free for the plans after it.
+    pub(crate) fn take_released(&mut self) -> Vec<u32> {
+        let out = std::mem::take(&mut self.released_services);
+        self.free_services.extend(out.iter().copied());
+        out
     }
 
     pub(crate) fn backend(&mut self, t: BackendTuple) -> u32 {
@@ -247,11 +285,10 @@ impl Ids {
             .filter_map(|f| current.services.get(&slot0_key(f, sp.id.protocol)))
             .map(|v| v.svc_id)
             .find(|id| !taken.contains(id));
-        let id = adopted.unwrap_or_else(|| {
-            let id = self.next_service.max(1);
-            self.next_service = id + 1;
-            id
-        });
+        let id = match adopted {
+            Some(id) => id,
+            None => self.fresh_service(),
+        };
         self.services.insert(sp.id.clone(), id);
         id
     }
@@ -646,6 +683,9 @@ pub struct Plan {
     /// [`super::external::External`]: written after the members, before any slot 0;
     /// removed after every slot 0, before the members.
     pub external: ExternalPlan,
+    /// Service ids no longer used: their connection counters are zeroed (after the
+    /// frontend deletes) so that a ServicePort given the id later starts from 0.
+    pub released_services: Vec<u32>,
 }
 
 impl Plan {
@@ -1552,6 +1592,7 @@ pub(crate) mod tests {
         assert!(plan.is_empty(), "restart writes:\n{}", render_plan(&plan));
         assert_text("map content", &restarted.text(), &before);
 
+        // The new Service takes the lowest free service id (1, unused in the pins).
         let (plan, _) = restarted.sync(&docs(&[
             yaml.clone(),
             web("aa", "10.96.0.5", &["10.0.0.1", "10.0.0.2"]),
@@ -1561,11 +1602,11 @@ pub(crate) mod tests {
             &render_plan(&plan),
             "
             + backend 5 10.0.0.1:8080/TCP
-            + member svc=5 backend=2
-            + member svc=5 backend=5
+            + member svc=1 backend=2
+            + member svc=1 backend=5
             + svc 10.96.0.5:80/TCP local slot=1 backend=5
             + svc 10.96.0.5:80/TCP local slot=2 backend=2
-            + svc 10.96.0.5:80/TCP local slot=0 id=5 count=2 flags=-
+            + svc 10.96.0.5:80/TCP local slot=0 id=1 count=2 flags=-
             ",
         );
     }

@@ -6,7 +6,7 @@
 //! every ServicePort against whatever the pinned maps hold (adopting ids, pruning the
 //! rest). [`Programmed::update`] then plans each later change incrementally.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ferry_common::lb::{Backend, MAX_BACKENDS_PER_SERVICE, MemberKey, ServiceKey, ServiceValue};
 
@@ -50,11 +50,24 @@ impl Programmed {
         // holds them.
         ids.services = Default::default();
         // Empty maps are filled straight from `content` (KernelMaps::fill): no plan.
-        let plan = if current == &MapContent::default() {
+        let mut plan = if current == &MapContent::default() {
             Plan::default()
         } else {
             diff(current, &content)
         };
+        // Ids the kernel holds that the new content does not use: zeroed, then free.
+        let kept: BTreeSet<u32> = owners.values().map(|o| o.svc_id).collect();
+        let gone: BTreeSet<u32> = current
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(_, v)| v.svc_id)
+            .filter(|id| !kept.contains(id))
+            .collect();
+        for id in gone {
+            ids.release_service(id);
+        }
+        plan.released_services = ids.take_released();
         let mut backend_refs: HashMap<u32, u32> = HashMap::new();
         for o in owners.values() {
             for b in o.backends(&content) {
@@ -94,6 +107,9 @@ impl Programmed {
         let mut errors = Vec::new();
         // Removals first, so the space they free is there for the rest.
         for (id, _) in changes.iter().filter(|(_, s)| s.is_none()) {
+            if let Some(svc_id) = self.owners.get(id).map(|o| o.svc_id) {
+                self.ids.release_service(svc_id);
+            }
             self.remove(id, &mut touched);
         }
         // Then ServicePorts already programmed, then new ones: a new Service that does
@@ -107,7 +123,9 @@ impl Programmed {
                 errors.push(e);
             }
         }
-        (self.plan_touched(&touched), errors)
+        let mut plan = self.plan_touched(&touched);
+        plan.released_services = self.ids.take_released();
+        (plan, errors)
     }
 
     fn remove(&mut self, id: &ServicePortId, t: &mut Touched) {
@@ -173,11 +191,7 @@ impl Programmed {
         self.check_capacity(id, state, cap)?;
         let svc_id = match self.owners.get(id) {
             Some(o) => o.svc_id,
-            None => {
-                let fresh = self.ids.next_service.max(1);
-                self.ids.next_service = fresh + 1;
-                fresh
-            }
+            None => self.ids.fresh_service(),
         };
         // Place first, while the old entries still hold their backend ids, so a backend
         // that stays keeps its id and is not rewritten; then drop the old entries.
@@ -481,6 +495,46 @@ mod tests {
         let mut p = p;
         let (none, errors) = p.update(&[], Capacity::default());
         assert!(none.is_empty() && errors.is_empty());
+    }
+
+    /// Service ids index the per-Service counter array: under churn they must stay as
+    /// few as the live Services, and an id is reused only by a plan after the one that
+    /// released it (which zeroes its counter).
+    #[test]
+    fn service_ids_are_recycled_after_their_release() {
+        let svc = |i: u32| web(&format!("s{i}"), &format!("10.96.1.{i}"), &["10.0.0.1"]);
+        let ids =
+            |p: &Programmed| -> BTreeSet<u32> { p.owners.values().map(|o| o.svc_id).collect() };
+        let mut steps = Vec::new();
+        for round in 0..20u32 {
+            // Two live Services, a different pair each round.
+            steps.push(docs(&[svc(round + 1), svc(round + 2)]));
+        }
+        let cap = Capacity::default();
+        let mut p = Programmed::full(&DesiredState::default(), &MapContent::default(), cap).0;
+        let mut prev = DesiredState::default();
+        let mut released_before = BTreeSet::new();
+        for (i, yaml) in steps.iter().enumerate() {
+            let next = desired(yaml);
+            let (plan, errors) = p.update(&changes(&prev, &next), cap);
+            assert!(errors.is_empty(), "{errors:?}");
+            let live = ids(&p);
+            assert!(
+                live.iter().all(|id| *id <= 3),
+                "step {i}: ids stay within the live count plus the ones in release: {live:?}"
+            );
+            let released: BTreeSet<u32> = plan.released_services.iter().copied().collect();
+            assert!(
+                released.is_disjoint(&live),
+                "step {i}: a released id is not reused by the plan that releases it"
+            );
+            released_before = released;
+            prev = next;
+        }
+        assert_eq!(released_before.len(), 1, "one Service goes each round");
+        // A full plan against the kernel content releases what the desired state drops.
+        let (_, plan, _) = Programmed::full(&desired(&docs(&[svc(100)])), &p.content, cap);
+        assert_eq!(plan.released_services.len(), 2, "{plan:?}");
     }
 
     #[test]
