@@ -125,6 +125,9 @@ struct Syncer {
     floor: u32,
     /// After a failed growth, not again before this.
     growth_blocked_until: Option<Instant>,
+    /// The engine's desired state is already recomputed for everything in the store (the
+    /// start sized the maps from it): the first full plan uses it as it is.
+    desired_current: bool,
 }
 
 /// At most this many growths per sync (each retries what did not fit, which may then
@@ -394,10 +397,12 @@ impl Syncer {
     fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>, bool), aya::maps::MapError> {
         let current = self.maps.read()?;
         let fresh = current == dataplane::MapContent::default();
-        self.engine.recompute(&Dirty {
-            all: true,
-            ..Default::default()
-        });
+        if !std::mem::take(&mut self.desired_current) {
+            self.engine.recompute(&Dirty {
+                all: true,
+                ..Default::default()
+            });
+        }
         self.plan_errors.clear();
         // Lend the engine's desired state to the planner instead of copying it.
         let desired = DesiredState {
@@ -779,25 +784,16 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     if !cfg.service_routing {
         return run_pod_network_only(cfg, client, status).await;
     }
-    let loaded = dataplane::load(&cfg.load)?;
-    if loaded.adopted {
-        info!("adopted pinned state from a previous agent; writing only the difference");
-    }
-    let mut ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
-    let pending = loaded.pending;
-    // Same layout (or none pinned): attach now, the maps are shared with whatever ran
-    // before. Another layout pinned: its programs keep serving until ours have maps
-    // filled with the full desired state, then each link swaps atomically.
-    let migration_pending = !pending.migrate_from.is_empty();
-    if migration_pending {
-        let from: Vec<u32> = pending.migrate_from.iter().map(|(v, _)| *v).collect();
-        info!(from = ?from, to = dataplane::loader::layout_version(), "another map layout is pinned: migrating after the first full sync");
-    } else {
-        dataplane::attach(&mut ebpf, &pending)?;
-    }
-    let bpf_logs = loaded.logger.map(|l| tokio::spawn(forward_bpf_logs(l)));
-    // The source starts after the programs are loaded: the kernel's BTF, parsed while
-    // loading, is freed before the first list fills memory, which keeps the peak down.
+    // Configuration errors surface now, not after the first list.
+    dataplane::loader::preflight(&cfg.load)?;
+    status.lock().expect("status lock").map_bounds = [
+        (SERVICES_MAP, cfg.load.bound.services),
+        (BACKENDS_MAP, cfg.load.bound.backends),
+    ]
+    .into();
+    // The source starts first and the programs are loaded once its first list is in
+    // the store, with maps sized from what it holds: no growth (which loads and verifies
+    // every program again) on the way to ready.
     let (tx, mut rx) = mpsc::unbounded_channel();
     let nodes_tx = cfg.pod_network.clone().map(|pn| {
         let (ntx, nrx) = watch::channel(crate::podnet::Nodes::default());
@@ -825,9 +821,70 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         primary_ips: cfg.node_ips.clone().unwrap_or_default(),
     };
     info!(node = %node.name, addresses = ?node.addresses, "node");
+    let mut engine = Engine::new(node);
+    let mut sigterm =
+        tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut synced_source = false;
+    let mut dirty = Dirty::default();
+    let listing = Instant::now();
+    while !synced_source {
+        tokio::select! {
+            event = rx.recv() => {
+                let Some(event) = event else {
+                    warn!("the source stopped before its first list");
+                    return Ok(());
+                };
+                handle_event(event, &mut engine, &status, &mut dirty, &mut synced_source);
+            }
+            _ = tokio::signal::ctrl_c() => { info!("SIGINT: exiting before the first list"); return Ok(()); }
+            _ = sigterm.recv() => { info!("SIGTERM: exiting before the first list"); return Ok(()); }
+        }
+    }
+    // The whole store is recomputed once; the first full plan uses this desired state.
+    engine.recompute(&Dirty {
+        all: true,
+        ..Default::default()
+    });
+    let floor = growth::floor();
+    let need = growth::need_of(engine.desired().values());
+    let initial = growth::initial(floor, cfg.load.bound);
+    let mut load = cfg.load.clone();
+    load.capacity = growth::target(initial, need, floor, cfg.load.bound).unwrap_or(initial);
+    info!(
+        services = engine.store.service_count(),
+        slices = engine.store.slice_count(),
+        need_services = need.services,
+        need_backends = need.backends,
+        elapsed_ms = listing.elapsed().as_millis() as u64,
+        "first list in: loading the programs with service map {} and backend map {} entries",
+        load.capacity.services,
+        load.capacity.backends
+    );
+    let loading = Instant::now();
+    let loaded = tokio::task::block_in_place(|| dataplane::load(&load))?;
+    info!(
+        elapsed_ms = loading.elapsed().as_millis() as u64,
+        "programs loaded"
+    );
+    if loaded.adopted {
+        info!("adopted pinned state from a previous agent; writing only the difference");
+    }
+    let mut ebpf = loaded.ebpf; // keeps program and map fds open while the agent runs
+    let pending = loaded.pending;
+    // Same layout (or none pinned): attach now, the maps are shared with whatever ran
+    // before. Another layout pinned: its programs keep serving until ours have maps
+    // filled with the full desired state, then each link swaps atomically.
+    let migration_pending = !pending.migrate_from.is_empty();
+    if migration_pending {
+        let from: Vec<u32> = pending.migrate_from.iter().map(|(v, _)| *v).collect();
+        info!(from = ?from, to = dataplane::loader::layout_version(), "another map layout is pinned: migrating after the first full sync");
+    } else {
+        dataplane::attach(&mut ebpf, &pending)?;
+    }
+    let bpf_logs = loaded.logger.map(|l| tokio::spawn(forward_bpf_logs(l)));
     let mut syncer = Syncer {
         maps: loaded.maps,
-        engine: Engine::new(node),
+        engine,
         programmed: None,
         capacity: loaded.capacity,
         status: status.clone(),
@@ -843,14 +900,12 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         migration_pending,
         bpf_logs,
         load: cfg.load.clone(),
-        floor: growth::floor(),
+        floor,
         growth_blocked_until: None,
+        desired_current: true,
     };
-    status.lock().expect("status lock").map_bounds = [
-        (SERVICES_MAP, cfg.load.bound.services),
-        (BACKENDS_MAP, cfg.load.bound.backends),
-    ]
-    .into();
+    // What the recompute above covered needs no second look.
+    dirty = Dirty::default();
 
     let devices = cfg.load.devices.clone();
     syncer.sync_snat(&devices);
@@ -863,14 +918,23 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
             .healthy(SystemTime::now())
     }));
     let mut health_wanted: Option<Vec<HealthCheckService>> = None;
-    let mut sigterm =
-        tokio::signal::unix::signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut node_tick = tokio::time::interval(NODE_ADDR_POLL);
     let mut counter_tick = tokio::time::interval(Duration::from_secs(1));
     let mut retry_tick = tokio::time::interval(RETRY_PERIOD);
-    let mut synced_source = false;
-    let mut dirty = Dirty::default();
     let mut takeover_pending = cfg.takeover_kube_proxy;
+    // The first full sync, from the list already in the store.
+    status.lock().expect("status lock").last_queued = Some(SystemTime::now());
+    syncer.sync(&Dirty::default());
+    if syncer.migration_pending && syncer.programmed.is_some() {
+        dataplane::attach(&mut syncer.ebpf, &syncer.pending)?;
+        syncer.migration_pending = false;
+    }
+    sync_health_checks(
+        &mut health_checks,
+        &mut health_wanted,
+        syncer.health_checks(),
+    )
+    .await;
     loop {
         tokio::select! {
             event = rx.recv() => {
@@ -884,7 +948,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
                 let mut next = Some(event);
                 let mut batched = 0usize;
                 while let Some(ev) = next {
-                    handle_event(ev, &mut syncer, &mut dirty, &mut synced_source);
+                    handle_event(ev, &mut syncer.engine, &syncer.status, &mut dirty, &mut synced_source);
                     batched += 1;
                     next = match rx.try_recv() {
                         Ok(ev) => Some(ev),
@@ -1029,11 +1093,17 @@ async fn sync_health_checks(
     *last = errors.is_empty().then_some(wanted);
 }
 
-fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced: &mut bool) {
+fn handle_event(
+    ev: SourceEvent,
+    engine: &mut Engine,
+    status: &SharedStatus,
+    dirty: &mut Dirty,
+    synced: &mut bool,
+) {
     match &ev {
         SourceEvent::Synced => *synced = true,
         SourceEvent::Connected(up) => {
-            let mut s = syncer.status.lock().expect("status lock");
+            let mut s = status.lock().expect("status lock");
             if s.source_connected != *up {
                 if *up {
                     info!("source connected: watching for changes");
@@ -1048,32 +1118,23 @@ fn handle_event(ev: SourceEvent, syncer: &mut Syncer, dirty: &mut Dirty, synced:
         SourceEvent::ServicesReset(_)
         | SourceEvent::ServiceApplied(_)
         | SourceEvent::ServiceDeleted(_) => {
-            syncer
-                .status
-                .lock()
-                .expect("status lock")
-                .service_changes_total += 1;
+            status.lock().expect("status lock").service_changes_total += 1;
         }
         SourceEvent::SlicesReset(_)
         | SourceEvent::SliceApplied(_)
         | SourceEvent::SliceDeleted(_) => {
-            syncer
-                .status
-                .lock()
-                .expect("status lock")
-                .endpoint_changes_total += 1;
+            status.lock().expect("status lock").endpoint_changes_total += 1;
         }
         SourceEvent::Node(_) => {}
         SourceEvent::Unreadable(count) => {
-            syncer.status.lock().expect("status lock").source_errors = *count;
+            status.lock().expect("status lock").source_errors = *count;
         }
     }
     let node_event = matches!(ev, SourceEvent::Node(_));
-    syncer.engine.store.apply(ev, dirty);
+    engine.store.apply(ev, dirty);
     if node_event {
         // nodeEligible (taint, deletionTimestamp) changes without a zone change dirty no
         // Service, so no sync follows to publish it: /healthz must see it now.
-        syncer.status.lock().expect("status lock").node_ineligible =
-            !node_eligible(syncer.engine.store.node());
+        status.lock().expect("status lock").node_ineligible = !node_eligible(engine.store.node());
     }
 }

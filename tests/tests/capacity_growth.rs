@@ -63,6 +63,23 @@ fn wait_programmed(w: &World, count: u64, within: Duration) {
     });
 }
 
+/// Each Service in `ids` answers `tries` TCP connects to its VIP (the peer seen is the VIP
+/// dialled), and together they reach every pod.
+fn assert_served(w: &World, ids: impl IntoIterator<Item = usize>, tries: usize) {
+    let mut reached = std::collections::BTreeSet::new();
+    for i in ids {
+        let addr = format!("{}:80", vip(i));
+        let outs = w.probe("tcp", &addr, tries);
+        assert!(
+            outs.iter()
+                .all(|o| o.ok && o.peer.as_deref() == Some(addr.as_str())),
+            "svc-{i:05} ({addr}) must be served: {outs:?}"
+        );
+        reached.extend(backends(&outs));
+    }
+    assert_eq!(reached, all_pods(w), "the Services reach every pod");
+}
+
 #[test]
 fn services_far_beyond_the_first_capacity_are_programmed_while_clients_connect() {
     let mut w = World::new("grow", 2, &[8080]);
@@ -131,18 +148,7 @@ fn services_far_beyond_the_first_capacity_are_programmed_while_clients_connect()
     );
 
     // Every Service is programmed: a sample of the new ones, the last included.
-    let mut reached = std::collections::BTreeSet::new();
-    for i in [10, 11, 63, 64, 500, 1234, 2047, 2998, total - 1] {
-        let addr = format!("{}:80", vip(i));
-        let outs = w.probe("tcp", &addr, 6);
-        assert!(
-            outs.iter()
-                .all(|o| o.ok && o.peer.as_deref() == Some(addr.as_str())),
-            "svc-{i:05} ({addr}) must be served: {outs:?}"
-        );
-        reached.extend(backends(&outs));
-    }
-    assert_eq!(reached, all_pods(&w), "the new Services reach both pods");
+    assert_served(&w, [10, 11, 63, 64, 500, 1234, 2047, 2998, total - 1], 6);
 
     // The connection made before the growth still works.
     writeln!(stdin, "after").unwrap();
@@ -202,8 +208,8 @@ fn services_far_beyond_the_first_capacity_are_programmed_while_clients_connect()
 #[test]
 fn at_the_bound_the_overflow_is_reported_once_and_nothing_programmed_is_touched() {
     let mut w = World::new("growbound", 2, &[8080]);
-    // 10 Services x 3 entries: the first sync sizes the maps from 16 straight to the
-    // bound, 64 entries, where 21 Services fit.
+    // 10 Services x 3 entries: the maps are created from the first list at the bound,
+    // 64 entries (not 16), where 21 Services fit.
     w.write_manifest("first.yaml", &services(&w, 0, 10));
     w.start_agent_env(&["--max-services", "64"], &[("FERRY_CAPACITY_FLOOR", "16")]);
     let m = w.metrics();
@@ -271,22 +277,7 @@ fn at_the_bound_the_overflow_is_reported_once_and_nothing_programmed_is_touched(
 
     // Nothing programmed was corrupted: the first 21 serve on both pods, the rest are
     // not programmed.
-    let mut reached = std::collections::BTreeSet::new();
-    for i in 0..21 {
-        let addr = format!("{}:80", vip(i));
-        let outs = w.probe("tcp", &addr, 4);
-        assert!(
-            outs.iter()
-                .all(|o| o.ok && o.peer.as_deref() == Some(addr.as_str())),
-            "svc-{i:05} ({addr}) must still be served: {outs:?}"
-        );
-        reached.extend(backends(&outs));
-    }
-    assert_eq!(
-        reached,
-        all_pods(&w),
-        "the programmed Services reach both pods"
-    );
+    assert_served(&w, 0..21, 4);
     let outs = w.probe("tcp", &format!("{}:80", vip(30)), 1);
     assert!(
         !outs[0].ok || outs[0].peer.as_deref() != Some(format!("{}:80", vip(30)).as_str()),
@@ -300,9 +291,52 @@ fn at_the_bound_the_overflow_is_reported_once_and_nothing_programmed_is_touched(
     );
     assert_eq!(
         gauge(&m, "ferry_map_growths_total", " "),
-        1,
-        "one growth, 16 -> 64:\n{m}"
+        0,
+        "sized from the first list, at the bound: nothing to grow:\n{m}"
     );
+}
+
+/// The start loads the programs once, after the first list, with maps sized from what
+/// it holds: more Services than the default capacity (4096 service-map entries) are all
+/// programmed with no growth (which would load and verify every program a second time).
+#[test]
+fn the_first_list_sizes_the_maps_without_a_growth() {
+    let mut w = World::new("firstsize", 2, &[8080]);
+    // 2000 Services x (1 frontend + 2 backend slots) = 6000 entries; 1.5 x 6000 rounds
+    // up to 16384.
+    let total = 2000;
+    w.write_manifest("all.yaml", &services(&w, 0, total));
+    w.start_agent(&[]);
+    // /healthz is 200 only once the first full sync is in the maps.
+    let m = w.metrics();
+    assert_eq!(
+        gauge(&m, "ferry_services_programmed", " "),
+        total as u64,
+        "every Service programmed by the first sync:\n{m}"
+    );
+    assert_eq!(gauge(&m, "ferry_plan_errors", " "), 0, "{m}");
+    let cap = gauge(&m, "ferry_map_capacity", "{map=\"FERRY_SVC\"}");
+    let used = gauge(&m, "ferry_map_entries", "{map=\"FERRY_SVC\"}");
+    assert_eq!(used, total as u64 * 3, "{m}");
+    assert_eq!(
+        cap, 16384,
+        "sized from the list, not the 4096 default:\n{m}"
+    );
+    assert_eq!(
+        gauge(&m, "ferry_map_growths_total", " "),
+        0,
+        "no growth on the way to ready:\n{m}"
+    );
+    let log = w.agent_log();
+    assert!(!log.contains("maps grown"), "no growth logged:\n{log}");
+    assert_eq!(
+        log.matches("programs loaded").count(),
+        1,
+        "the programs are loaded once:\n{log}"
+    );
+
+    // Real traffic through the loaded programs, to Services at both ends of the list.
+    assert_served(&w, [0, 1, 1365, 1366, 1999], 6);
 }
 
 /// What growing costs at scale (run by hand, `--ignored --nocapture`): Services with 4

@@ -140,7 +140,8 @@ pub enum LoaderError {
 pub struct LoadOptions {
     pub bpffs: PathBuf,
     pub cgroup: PathBuf,
-    /// Capacity of maps created now (pinned maps keep theirs); the agent grows them.
+    /// Capacity of maps created now, sized by the agent from its first list (pinned maps
+    /// keep theirs; the agent grows them when they are too small).
     pub capacity: Capacity,
     /// The `--max-*` bounds: the maps never grow beyond them.
     pub bound: Capacity,
@@ -332,6 +333,21 @@ fn pinned_layout(bpffs: &Path) -> Result<Option<u32>, LoaderError> {
     let data = MapData::from_pin(&path).map_err(map_err)?;
     let meta: Array<MapData, Meta> = Array::try_from(Map::Array(data)).map_err(map_err)?;
     Ok(Some(meta.get(&0, 0).map_err(map_err)?.layout_version))
+}
+
+/// The configuration errors [`load`] would find, checked before the agent waits for its
+/// first list (the programs are loaded after it, sized from what it holds): no embedded
+/// object, no bpffs, a cgroup that cannot be opened.
+pub fn preflight(opts: &LoadOptions) -> Result<(), LoaderError> {
+    if OBJECT.is_empty() {
+        return Err(LoaderError::NoObject);
+    }
+    prepare_bpffs(&opts.bpffs)?;
+    fs::File::open(&opts.cgroup).map_err(|e| LoaderError::Cgroup {
+        path: opts.cgroup.clone(),
+        reason: format!("cannot open it ({e}); pass a cgroup v2 directory"),
+    })?;
+    Ok(())
 }
 
 /// Loads the programs and opens (or creates) this layout's pinned maps. Nothing is
