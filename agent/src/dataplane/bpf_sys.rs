@@ -1,5 +1,6 @@
 //! Raw `bpf(2)` calls that aya 0.14 does not expose: opening a pinned link, swapping the
-//! program behind it atomically, and reading which cgroup a link is attached to.
+//! program behind it atomically, reading which cgroup a link is attached to, and writing
+//! many map entries in one call.
 
 use std::{
     ffi::CString,
@@ -10,6 +11,7 @@ use std::{
 
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 
 fn sys_bpf(cmd: libc::c_long, attr: &mut [u64; 16]) -> io::Result<libc::c_long> {
@@ -39,6 +41,26 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     let fd = sys_bpf(BPF_OBJ_GET, &mut attr)?;
     // SAFETY: the kernel returned a new file descriptor that nobody else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Writes `keys[i] -> values[i]` (`BPF_ANY`) in one call. `K` and `V` must be the map's
+/// key and value types (aya checked their sizes when it opened the map). Returns how many
+/// entries were written (the first ones) and the error that stopped the rest, if any.
+pub fn update_batch<K: aya::Pod, V: aya::Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> (usize, io::Result<()>) {
+    assert_eq!(keys.len(), values.len(), "one value per key");
+    let mut attr = [0u64; 16];
+    // struct { in_batch, out_batch, keys, values; u32 count, map_fd; elem_flags, flags }
+    attr[2] = keys.as_ptr() as u64;
+    attr[3] = values.as_ptr() as u64;
+    attr[4] = keys.len() as u32 as u64 | ((map.as_raw_fd() as u32 as u64) << 32);
+    let result = sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr).map(|_| ());
+    // The kernel writes back how many it processed.
+    let done = (attr[4] as u32 as usize).min(keys.len());
+    (done, result)
 }
 
 /// Replaces the program behind a link in one step: no window without a program.

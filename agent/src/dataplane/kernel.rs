@@ -65,6 +65,43 @@ pub struct ApplyReport {
 
 type Named<T> = Result<T, (&'static str, MapError)>;
 
+/// Entries per `BPF_MAP_UPDATE_BATCH` call when filling a map.
+const FILL_BATCH: usize = 8192;
+
+/// Writes `entries` into `map` in batches of [`FILL_BATCH`], one `bpf()` call each
+/// instead of one per entry (at 100,000 Services the first fill is over a million
+/// entries). Where a batch stops at an entry, the rest of it is written one by one, so
+/// each failure is reported with its entry (`name`) as before.
+fn fill_map<K: Pod, V: Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    entries: impl Iterator<Item = (K, V)>,
+    r: &mut ApplyReport,
+    name: impl Fn(&K, &V) -> String,
+) {
+    let mut keys = Vec::with_capacity(FILL_BATCH);
+    let mut values = Vec::with_capacity(FILL_BATCH);
+    let mut entries = entries.peekable();
+    while entries.peek().is_some() {
+        keys.clear();
+        values.clear();
+        for (k, v) in entries.by_ref().take(FILL_BATCH) {
+            keys.push(k);
+            values.push(v);
+        }
+        let (done, result) = super::bpf_sys::update_batch(map.map().fd().as_fd(), &keys, &values);
+        r.writes += done;
+        if result.is_ok() && done == keys.len() {
+            continue;
+        }
+        for (k, v) in keys[done..].iter().zip(&values[done..]) {
+            match map.insert(k, v, 0) {
+                Ok(()) => r.writes += 1,
+                Err(e) => r.failures.push(format!("{}: {e}", name(k, v))),
+            }
+        }
+    }
+}
+
 fn take<T: TryFrom<Map, Error = MapError>>(ebpf: &mut Ebpf, name: &'static str) -> Named<T> {
     let map = ebpf
         .take_map(name)
@@ -163,45 +200,40 @@ impl KernelMaps {
     pub fn fill(&mut self, content: &MapContent, external: &ExternalPlan) -> ApplyReport {
         let mut r = ApplyReport::default();
         self.note_service_ids(content.services.values().map(|v| v.svc_id));
-        let fail = |r: &mut ApplyReport, what: String| r.failures.push(what);
-        for (id, b) in &content.backends {
-            match self.backends.insert(id, b, 0) {
-                Ok(()) => r.writes += 1,
-                Err(e) => fail(&mut r, format!("backend {id}: {e}")),
-            }
-        }
-        for m in &content.members {
-            match self.members.insert(m, 1, 0) {
-                Ok(()) => r.writes += 1,
-                Err(e) => fail(
-                    &mut r,
-                    format!("member svc={} backend={}: {e}", m.svc_id, m.backend_id),
-                ),
-            }
-        }
+        fill_map(
+            &mut self.backends,
+            content.backends.iter().map(|(id, b)| (*id, *b)),
+            &mut r,
+            |id, _| format!("backend {id}"),
+        );
+        fill_map(
+            &mut self.members,
+            content.members.iter().map(|m| (*m, 1u8)),
+            &mut r,
+            |m, _| format!("member svc={} backend={}", m.svc_id, m.backend_id),
+        );
         if let Some(ext) = &mut self.external {
             ext.upsert(external, &mut r.failures);
             r.writes += external.len();
         }
         for pass_slot0 in [false, true] {
-            for (k, v) in content
-                .services
-                .iter()
-                .filter(|(k, _)| (k.slot == 0) == pass_slot0)
-            {
-                match self.services.insert(k, v, 0) {
-                    Ok(()) => r.writes += 1,
-                    Err(e) => fail(
-                        &mut r,
-                        format!(
-                            "{}/{} slot {}: {e}",
-                            fmt_endpoint(&k.addr, u16::from_be(k.port)),
-                            proto_name(k.proto),
-                            k.slot
-                        ),
-                    ),
-                }
-            }
+            fill_map(
+                &mut self.services,
+                content
+                    .services
+                    .iter()
+                    .filter(|(k, _)| (k.slot == 0) == pass_slot0)
+                    .map(|(k, v)| (*k, *v)),
+                &mut r,
+                |k, _| {
+                    format!(
+                        "{}/{} slot {}",
+                        fmt_endpoint(&k.addr, u16::from_be(k.port)),
+                        proto_name(k.proto),
+                        k.slot
+                    )
+                },
+            );
         }
         for f in &r.failures {
             warn!("map write failed: {f}");
