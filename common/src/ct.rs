@@ -101,10 +101,111 @@ pub struct CtEntry {
 }
 const _: () = assert!(core::mem::size_of::<CtEntry>() == 56);
 
+/// Array of one [`FlowPorts`]: the ports a tc-path flow can have on this node's side.
+/// Pinned beside [`CT_MAP`] and outliving layouts and restarts like it.
+pub const FLOW_PORTS_MAP: &str = "FERRY_FLOW_PORTS";
+
+/// Words of [`FlowPorts`]: one bit per 16-bit port.
+pub const FLOW_PORTS_WORDS: usize = 65536 / 64;
+
+/// Every port a translated flow of the tc path can use on this node's side: the ports of
+/// external frontends (NodePorts, externalIP and LoadBalancer ports) and of local
+/// endpoints. A packet arriving for no such port (ingress destination port outside the
+/// source-NAT range) or leaving from none (egress source port) is no flow of the tc
+/// path: the programs pass it without a conntrack or frontend lookup. Most packets of a
+/// node are such (its own clients' and pods' connections, whose local ports are
+/// ephemeral). Bits are only ever set, never cleared: a flow keeps working after its
+/// frontend is gone, and a stale bit costs nothing but the full lookup.
+///
+/// Indexed by the port as it sits in the packet (network byte order read as a `u16`),
+/// so that the programs need no byte swap.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowPorts {
+    pub bits: [u64; FLOW_PORTS_WORDS],
+}
+const _: () = assert!(core::mem::size_of::<FlowPorts>() == 8192);
+
+impl Default for FlowPorts {
+    fn default() -> Self {
+        FlowPorts {
+            bits: [0; FLOW_PORTS_WORDS],
+        }
+    }
+}
+
+impl FlowPorts {
+    /// Whether `port_be` (network byte order) is set.
+    #[inline(always)]
+    pub fn has(&self, port_be: u16) -> bool {
+        let i = port_be as usize;
+        self.bits[(i >> 6) & (FLOW_PORTS_WORDS - 1)] & (1 << (i & 63)) != 0
+    }
+
+    /// Sets `port_be` (network byte order); true when it was not set before.
+    pub fn insert(&mut self, port_be: u16) -> bool {
+        let i = port_be as usize;
+        let word = &mut self.bits[i >> 6];
+        let bit = 1u64 << (i & 63);
+        let new = *word & bit == 0;
+        *word |= bit;
+        new
+    }
+
+    /// The port (network byte order) a conntrack entry's key has on this node's side: the
+    /// frontend's (destination of an original key) or the endpoint's (source of a reply
+    /// key).
+    pub fn port_of(key: &CtKey) -> u16 {
+        if key.dir == CT_DIR_ORIGINAL {
+            key.dport
+        } else {
+            key.sport
+        }
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: repr(C), explicit padding, every bit pattern is a valid value.
     unsafe impl aya::Pod for super::CtKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::CtEntry {}
+    // SAFETY: as above (an array of words).
+    unsafe impl aya::Pod for super::FlowPorts {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flow_ports_hold_the_ports_set_and_no_other() {
+        let mut p = FlowPorts::default();
+        for port in [0u16, 63, 64, 30080, 65535] {
+            assert!(!p.has(port.to_be()));
+            assert!(p.insert(port.to_be()), "{port} was new");
+            assert!(!p.insert(port.to_be()), "{port} again is not new");
+            assert!(p.has(port.to_be()));
+        }
+        let set = (0..=u16::MAX).filter(|port| p.has(*port)).count();
+        assert_eq!(set, 5);
+    }
+
+    #[test]
+    fn a_conntrack_key_names_the_node_side_port() {
+        let mut k = CtKey {
+            sport: 40000u16.to_be(),
+            dport: 30080u16.to_be(),
+            dir: CT_DIR_ORIGINAL,
+            ..Default::default()
+        };
+        assert_eq!(FlowPorts::port_of(&k), 30080u16.to_be());
+        k = CtKey {
+            sport: 8080u16.to_be(),
+            dport: 40000u16.to_be(),
+            dir: CT_DIR_REPLY,
+            ..Default::default()
+        };
+        assert_eq!(FlowPorts::port_of(&k), 8080u16.to_be());
+    }
 }

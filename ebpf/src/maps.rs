@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use ferry_common::{
     Addr, Meta,
-    ct::{CtEntry, CtKey},
+    ct::{CtEntry, CtKey, FlowPorts},
     ext::{ClientAffinityKey, MaglevTable, SnatAddrKey, SourceRangeKey},
     lb::{AffinityKey, AffinityValue, Backend, MemberKey, ServiceKey, ServiceValue},
     metrics::{COUNTERS_LEN, SVC_CONNS_MAX_ENTRIES},
@@ -72,6 +72,21 @@ pub(crate) fn count_service(svc_id: u32) {
 /// evicts the oldest flows instead of refusing new ones.
 #[map(name = "FERRY_CT")]
 pub(crate) static CT: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(262144, 0);
+
+/// The ports a tc-path flow can have on this node's side (`FLOW_PORTS_MAP`): a packet
+/// for none of them is passed without a lookup. Written by the agent only.
+#[map(name = "FERRY_FLOW_PORTS")]
+pub(crate) static FLOW_PORTS: Array<FlowPorts> = Array::with_max_entries(1, 0);
+
+/// Whether `port_be` may belong to a tc-path flow. Without the map's value (it always
+/// has one), every port may.
+#[inline(always)]
+pub(crate) fn flow_port(port_be: u16) -> bool {
+    match FLOW_PORTS.get(0) {
+        Some(p) => p.has(port_be),
+        None => true,
+    }
+}
 
 /// ClientIP affinity of the tc path (`TC_AFFINITY_MAP`): client address and ServicePort
 /// to the backend it is pinned to. LRU: a full table forgets the least recently used

@@ -681,6 +681,47 @@ fn maglev_keeps_flows_on_their_backend_without_conntrack() {
 // ---------------------------------------------------------------------------------------
 // 8. Agent restart.
 
+/// One session from client 1 to `addr` (a NodePort of a Service over n1p1 and n2p1) per
+/// backend: source ports from `first_port` on until both backends are covered (the
+/// source port decides the backend).
+fn sessions_to_both_backends(
+    c: &Cluster,
+    addr: &str,
+    first_port: u16,
+) -> BTreeMap<String, Session> {
+    let mut sessions: BTreeMap<String, Session> = BTreeMap::new();
+    for k in 0..40u16 {
+        if sessions.len() == 2 {
+            break;
+        }
+        let mut s = c.session_ext(1, addr, Some(first_port + k));
+        let r = s
+            .ask("whoami", Duration::from_secs(3))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let b = r.split_whitespace().next().unwrap_or("").to_string();
+        sessions.entry(b).or_insert(s);
+    }
+    assert_eq!(
+        sessions.keys().cloned().collect::<BTreeSet<_>>(),
+        set(&["n1p1", "n2p1"]),
+        "sessions to both backends"
+    );
+    sessions
+}
+
+/// Every session still reaches the backend it started with.
+fn check_sessions(sessions: &mut BTreeMap<String, Session>, when: &str) {
+    for (b, s) in sessions.iter_mut() {
+        let r = s
+            .ask("whoami", Duration::from_secs(3))
+            .unwrap_or_else(|e| panic!("{when}: {e}"));
+        assert!(
+            r.starts_with(&format!("{b} ")),
+            "{when}: the session must still reach {b}: {r}"
+        );
+    }
+}
+
 #[test]
 fn flows_survive_an_agent_restart() {
     let mut c = Cluster::new("ext-restart", &[1, 1], &[SRV]);
@@ -698,40 +739,12 @@ fn flows_survive_an_agent_restart() {
     );
     c.start_agents(&[]);
     let addr = hostport(c.node(1).v4, NP_TCP);
-    // One session to each backend (the source port decides): open until both are covered.
-    let mut sessions: BTreeMap<String, Session> = BTreeMap::new();
-    for k in 0..40u16 {
-        if sessions.len() == 2 {
-            break;
-        }
-        let mut s = c.session_ext(1, &addr, Some(43000 + k));
-        let r = s
-            .ask("whoami", Duration::from_secs(3))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let b = r.split_whitespace().next().unwrap_or("").to_string();
-        sessions.entry(b).or_insert(s);
-    }
-    assert_eq!(
-        sessions.keys().cloned().collect::<BTreeSet<_>>(),
-        set(&["n1p1", "n2p1"]),
-        "sessions to both backends"
-    );
-    let check = |sessions: &mut BTreeMap<String, Session>, when: &str| {
-        for (b, s) in sessions.iter_mut() {
-            let r = s
-                .ask("whoami", Duration::from_secs(3))
-                .unwrap_or_else(|e| panic!("{when}: {e}"));
-            assert!(
-                r.starts_with(&format!("{b} ")),
-                "{when}: the session must still reach {b}: {r}"
-            );
-        }
-    };
-    check(&mut sessions, "before the restart");
+    let mut sessions = sessions_to_both_backends(&c, &addr, 43000);
+    check_sessions(&mut sessions, "before the restart");
 
     let status = c.stop_agent(1, libc::SIGKILL);
     assert!(!status.success(), "SIGKILL: {status:?}");
-    check(&mut sessions, "agent killed");
+    check_sessions(&mut sessions, "agent killed");
     let outs = c.probe_ext(2, "tcp", &addr, 20);
     all_ok(&outs, "new connections while node1 has no agent");
     assert_eq!(backends(&outs), set(&["n1p1", "n2p1"]));
@@ -739,10 +752,54 @@ fn flows_survive_an_agent_restart() {
     all_ok(&outs, "new UDP flows while node1 has no agent");
 
     c.start_agent(1, &[]);
-    check(&mut sessions, "after the new agent started");
+    check_sessions(&mut sessions, "after the new agent started");
     let outs = c.probe_ext(2, "tcp", &addr, 20);
     all_ok(&outs, "new connections after the restart");
     assert_eq!(backends(&outs), set(&["n1p1", "n2p1"]));
+}
+
+/// An agent that finds no flow port filter pinned (an upgrade from a build without it)
+/// while conntrack holds flows of a frontend that is gone (the Service was deleted while
+/// no agent ran) seeds the filter from those flows: their packets would otherwise pass
+/// the tc programs untranslated.
+#[test]
+fn a_new_port_filter_keeps_the_ports_of_tracked_flows() {
+    let mut c = Cluster::new("ext-seed", &[1, 1], &[SRV]);
+    c.write_manifest(
+        "sd.yaml",
+        &svc_doc(
+            &c,
+            "sd",
+            "NodePort",
+            "10.96.1.81",
+            "",
+            "",
+            &["n1p1", "n2p1"],
+        ),
+    );
+    c.start_agents(&[]);
+    let addr = hostport(c.node(1).v4, NP_TCP);
+    // A local backend (its replies leave through egress) and a source-NATed one.
+    let mut sessions = sessions_to_both_backends(&c, &addr, 44000);
+
+    let status = c.stop_agent(1, libc::SIGKILL);
+    assert!(!status.success(), "SIGKILL: {status:?}");
+    c.remove_manifest("sd.yaml");
+    let pin = c.node(1).bpffs.join(ferry_common::ct::FLOW_PORTS_MAP);
+    std::fs::remove_file(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+    c.start_agent(1, &[]);
+    let log = c.agent_log(1);
+    assert!(
+        log.contains("flow port filter seeded from the tracked flows"),
+        "the new agent seeds its filter:\n{log}"
+    );
+    check_sessions(&mut sessions, "after the restart with a new filter");
+    // The frontend is gone: a new connection is not translated (nothing listens there).
+    let outs = c.probe_ext(2, "tcp", &addr, 5);
+    assert!(
+        outs.iter().all(|o| !o.ok),
+        "no new connection through the deleted NodePort: {outs:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 //! Reading and writing the tc path's maps: Maglev tables, source ranges, SNAT addresses,
-//! and the conntrack and ClientIP affinity maps' fill (for `/metrics`).
+//! the flow port filter, and the conntrack and ClientIP affinity maps' fill (for
+//! `/metrics`).
 //!
 //! Each map is optional: an eBPF object built before the tc path has none of them, and
 //! an agent without `--devices` must keep working with it.
@@ -8,11 +9,11 @@ use std::{collections::BTreeSet, path::Path};
 
 use aya::{
     Ebpf,
-    maps::{HashMap, LpmTrie, Map, MapData, MapError, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, lpm_trie::Key},
 };
 use ferry_common::{
     Addr,
-    ct::{CT_MAP, CtEntry, CtKey},
+    ct::{CT_MAP, CtEntry, CtKey, FLOW_PORTS_MAP, FlowPorts},
     ext::{
         ClientAffinityKey, MAGLEV_MAP, MaglevTable, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, SnatAddrKey,
         SourceRangeKey, TC_AFFINITY_MAP,
@@ -29,6 +30,34 @@ pub struct ExternalMaps {
     pub(crate) ct: Option<HashMap<MapData, CtKey, CtEntry>>,
     /// Client pins of ClientIP affinity at tc (written by the programs only).
     pub(crate) affinity: Option<HashMap<MapData, ClientAffinityKey, AffinityValue>>,
+    /// The port filter (absent in objects built before it).
+    flow_ports: Option<FlowPortsMap>,
+}
+
+/// `FERRY_FLOW_PORTS` and the agent's copy of its one value (the agent is its only
+/// writer, so the copy is what the kernel holds).
+struct FlowPortsMap {
+    map: Array<MapData, FlowPorts>,
+    value: Box<FlowPorts>,
+}
+
+impl FlowPortsMap {
+    fn new(map: Array<MapData, FlowPorts>) -> Result<FlowPortsMap, MapError> {
+        let value = Box::new(map.get(&0, 0)?);
+        Ok(FlowPortsMap { map, value })
+    }
+
+    /// Sets the ports (network byte order); writes the map once when one was new.
+    /// Returns how many were new.
+    fn add(&mut self, ports: impl IntoIterator<Item = u16>) -> Result<usize, MapError> {
+        let mut next = self.value.clone();
+        let added = ports.into_iter().filter(|p| next.insert(*p)).count();
+        if added > 0 {
+            self.map.set(0, *next, 0)?;
+            self.value = next;
+        }
+        Ok(added)
+    }
 }
 
 impl ExternalMaps {
@@ -40,12 +69,16 @@ impl ExternalMaps {
         let snat = HashMap::try_from(take(SNAT_ADDRS_MAP)?).ok()?;
         let ct = take(CT_MAP).and_then(|m| HashMap::try_from(m).ok());
         let affinity = take(TC_AFFINITY_MAP).and_then(|m| HashMap::try_from(m).ok());
+        let flow_ports = take(FLOW_PORTS_MAP)
+            .and_then(|m| Array::try_from(m).ok())
+            .and_then(|m| FlowPortsMap::new(m).ok());
         Some(ExternalMaps {
             maglev,
             ranges,
             snat,
             ct,
             affinity,
+            flow_ports,
         })
     }
 
@@ -61,7 +94,42 @@ impl ExternalMaps {
                 .and_then(|d| HashMap::try_from(Map::LruHashMap(d)).ok()),
             affinity: open(TC_AFFINITY_MAP)
                 .and_then(|d| HashMap::try_from(Map::LruHashMap(d)).ok()),
+            flow_ports: ct_pin
+                .parent()
+                .and_then(|root| MapData::from_pin(root.join(FLOW_PORTS_MAP)).ok())
+                .and_then(|d| Array::try_from(Map::Array(d)).ok())
+                .and_then(|m| FlowPortsMap::new(m).ok()),
         })
+    }
+
+    /// Lets the tc programs look at packets of these ports (network byte order): the
+    /// ports of external frontends and local endpoints, set before the entries that use
+    /// them are written. Returns how many were new (0 without the filter).
+    pub fn add_flow_ports(
+        &mut self,
+        ports: impl IntoIterator<Item = u16>,
+    ) -> Result<usize, MapError> {
+        match &mut self.flow_ports {
+            Some(f) => f.add(ports),
+            None => Ok(0),
+        }
+    }
+
+    /// Sets the node-side port of every tracked flow (a new filter, flows of an earlier
+    /// agent). Returns (flow entries read, ports new).
+    pub fn seed_flow_ports(&mut self) -> Result<(usize, usize), MapError> {
+        let Some(ct) = &self.ct else {
+            return Ok((0, 0));
+        };
+        // Capped: a key deleted under the walk makes the kernel start it over.
+        let ports: Vec<u16> = ct
+            .keys()
+            .take(1 << 24)
+            .filter_map(Result::ok)
+            .map(|k| FlowPorts::port_of(&k))
+            .collect();
+        let flows = ports.len();
+        Ok((flows, self.add_flow_ports(ports)?))
     }
 
     pub fn read(&self) -> Result<ExternalContent, MapError> {

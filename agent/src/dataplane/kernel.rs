@@ -19,8 +19,8 @@ use ferry_common::{
     ct::{CT_MAP, CtEntry, CtKey},
     ext::{ClientAffinityKey, TC_AFFINITY_MAP},
     lb::{
-        AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, Backend, MEMBERS_MAP, MemberKey,
-        SERVICES_MAP, ServiceKey, ServiceValue,
+        AFFINITY_MAP, AffinityKey, AffinityValue, BACKEND_F_LOCAL, BACKENDS_MAP, Backend,
+        MEMBERS_MAP, MemberKey, SCOPE_EXTERNAL_ORIGIN, SERVICES_MAP, ServiceKey, ServiceValue,
     },
     metrics::{COUNTERS_LEN, COUNTERS_MAP, SVC_CONNS_MAP},
     sock::{RevNatKey, RevNatValue, SOCK_REVNAT_MAP},
@@ -216,6 +216,11 @@ impl KernelMaps {
             ext.upsert(external, &mut r.failures);
             r.writes += external.len();
         }
+        let ports_ok = self.add_flow_ports(
+            content.services.keys().filter(|k| k.slot == 0).copied(),
+            content.backends.values(),
+            &mut r,
+        );
         for pass_slot0 in [false, true] {
             fill_map(
                 &mut self.services,
@@ -223,6 +228,7 @@ impl KernelMaps {
                     .services
                     .iter()
                     .filter(|(k, _)| (k.slot == 0) == pass_slot0)
+                    .filter(|(k, _)| ports_ok || !pass_slot0 || k.scope != SCOPE_EXTERNAL_ORIGIN)
                     .map(|(k, v)| (*k, *v)),
                 &mut r,
                 |k, _| {
@@ -279,6 +285,11 @@ impl KernelMaps {
                 )),
             }
         }
+        let ports_ok = self.add_flow_ports(
+            plan.frontends.iter().map(|f| f.slot0),
+            plan.backend_upserts.iter().map(|(_, b)| b),
+            &mut r,
+        );
         // The tc path's tables and ranges, before any slot 0 that uses them.
         let failed_tables = match &mut self.external {
             Some(ext) => {
@@ -323,7 +334,14 @@ impl KernelMaps {
             if !ok {
                 continue;
             }
-            let external = f.slot0.scope == ferry_common::lb::SCOPE_EXTERNAL_ORIGIN;
+            let external = f.slot0.scope == SCOPE_EXTERNAL_ORIGIN;
+            if external && !ports_ok && f.slot0_value.is_some() {
+                r.failures.push(format!(
+                    "{}: the flow port filter could not be written; frontend left as it was",
+                    name()
+                ));
+                continue;
+            }
             if let Some(v) = f
                 .slot0_value
                 .filter(|v| external && failed_tables.contains(&v.svc_id))
@@ -371,6 +389,39 @@ impl KernelMaps {
             warn!("map write failed: {f}");
         }
         r
+    }
+
+    /// Puts the ports of external frontends (slot-0 keys of any scope may be passed) and
+    /// of local backends into the tc path's port filter, before the entries that use
+    /// them. False when the filter could not be written: external frontends must not be
+    /// published then (the programs would pass their packets untranslated).
+    fn add_flow_ports<'a>(
+        &mut self,
+        frontends: impl Iterator<Item = ServiceKey>,
+        backends: impl Iterator<Item = &'a Backend>,
+        r: &mut ApplyReport,
+    ) -> bool {
+        let Some(ext) = &mut self.external else {
+            return true;
+        };
+        let ports = frontends
+            .filter(|k| k.scope == SCOPE_EXTERNAL_ORIGIN)
+            .map(|k| k.port)
+            .chain(
+                backends
+                    .filter(|b| b.flags & BACKEND_F_LOCAL != 0)
+                    .map(|b| b.port),
+            );
+        match ext.add_flow_ports(ports) {
+            Ok(n) => {
+                r.writes += (n > 0) as usize;
+                true
+            }
+            Err(e) => {
+                r.failures.push(format!("flow port filter: {e}"));
+                false
+            }
+        }
     }
 
     fn delete_service(&mut self, k: &ServiceKey, r: &mut ApplyReport) {

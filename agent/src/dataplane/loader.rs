@@ -17,7 +17,7 @@ use aya::{
 };
 use ferry_common::{
     LAYOUT_VERSION, META_MAP, Meta,
-    ct::{CT_MAP, CtEntry, CtKey},
+    ct::{CT_MAP, CtEntry, CtKey, FLOW_PORTS_MAP, FlowPorts},
     ext::{ClientAffinityKey, MAGLEV_MAP, SNAT_ADDRS_MAP, SOURCE_RANGES_MAP, TC_AFFINITY_MAP},
     lb::{AFFINITY_MAP, AffinityKey, AffinityValue, BACKENDS_MAP, MEMBERS_MAP, SERVICES_MAP},
     metrics::COUNTERS_MAP,
@@ -194,6 +194,26 @@ fn links_dir(bpffs: &Path) -> PathBuf {
 /// The conntrack pin, outside every layout directory.
 pub fn ct_pin(bpffs: &Path) -> PathBuf {
     bpffs.join(CT_MAP)
+}
+
+/// The tc path's port filter pin, beside conntrack: its bits must cover every port the
+/// tracked flows use, so it lives exactly as long as the conntrack table.
+pub fn flow_ports_pin(bpffs: &Path) -> PathBuf {
+    bpffs.join(FLOW_PORTS_MAP)
+}
+
+/// Whether the port filter must be created (and seeded from the tracked flows): it is
+/// not pinned, or pinned with another shape (then it is removed here).
+fn flow_ports_missing(pin: &Path) -> Result<bool, LoaderError> {
+    let Ok(info) = MapData::from_pin(pin).and_then(|d| d.info()) else {
+        return Ok(true);
+    };
+    if info.value_size() as usize != std::mem::size_of::<FlowPorts>() || info.max_entries() != 1 {
+        warn!(pin = %pin.display(), "the flow port filter changed shape: it is replaced and seeded from the tracked flows");
+        remove_if_present(pin, &mut Vec::new())?;
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 /// A conntrack pin whose entries have another shape than this build's cannot be shared
@@ -436,6 +456,9 @@ fn load_at(opts: &LoadOptions, capacity: Capacity, grow: bool) -> Result<Loaded,
     let ct = ct_pin(&opts.bpffs);
     drop_incompatible_ct(&ct)?;
     pins.push((CT_MAP, ct));
+    let flow_ports = flow_ports_pin(&opts.bpffs);
+    let seed_flow_ports = flow_ports_missing(&flow_ports)?;
+    pins.push((FLOW_PORTS_MAP, flow_ports));
     let mut loader = EbpfLoader::new();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
@@ -512,8 +535,22 @@ fn load_at(opts: &LoadOptions, capacity: Capacity, grow: bool) -> Result<Loaded,
         }
         tc::load(&mut ebpf)?;
     }
-    let maps = KernelMaps::from_ebpf(&mut ebpf)
+    let mut maps = KernelMaps::from_ebpf(&mut ebpf)
         .map_err(|(map, source)| LoaderError::Map { map, source })?;
+    // A new filter knows no port yet: flows an earlier agent tracked keep theirs before
+    // any program reads it (programs are attached later).
+    if let Some(ext) = maps.external.as_mut().filter(|_| seed_flow_ports) {
+        let (flows, ports) = ext.seed_flow_ports().map_err(|source| LoaderError::Map {
+            map: FLOW_PORTS_MAP,
+            source,
+        })?;
+        if flows > 0 {
+            info!(
+                flows,
+                ports, "flow port filter seeded from the tracked flows"
+            );
+        }
+    }
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(l) => Some(l),
         Err(e) => {
@@ -814,6 +851,7 @@ pub fn cleanup(bpffs: &Path) -> Result<Vec<PathBuf>, LoaderError> {
         remove_if_present(&pin, &mut removed)?;
     }
     remove_if_present(&ct_pin(bpffs), &mut removed)?;
+    remove_if_present(&flow_ports_pin(bpffs), &mut removed)?;
     let mut layouts = other_layouts(bpffs, u32::MAX);
     layouts.retain(|(_, d)| d != bpffs);
     for (_, dir) in layouts {

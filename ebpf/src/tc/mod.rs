@@ -48,7 +48,7 @@ use ferry_common::{
 use crate::lb::remembered;
 use crate::maps::{
     BACKENDS, CT, MAGLEV, MEMBERS, SCRATCH, SERVICES, SNAT_ADDRS, SRC_RANGES, Scratch, TC_AFFINITY,
-    count, count_service,
+    count, count_service, flow_port,
 };
 use ct::{fresh, touch};
 use fib::Route;
@@ -87,6 +87,12 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     }
     // SAFETY: `parse` wrote the whole packet when it said true.
     let pkt = unsafe { pkt.assume_init_ref() };
+    // Only a frontend's or a local endpoint's port, or a source-NAT port, can be ours:
+    // the node's own connections (ephemeral local ports) leave here.
+    let snat_reply = is_snat_port(pkt.dport);
+    if !snat_reply && !flow_port(pkt.dport) {
+        return OK;
+    }
     let Some(s) = SCRATCH.get_ptr_mut(0) else {
         return OK;
     };
@@ -97,27 +103,27 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     // 1. A reply to a source-NATed flow (addressed to a node address and SNAT port):
     // only a port of the source-NAT range can be one, so other packets (every packet
     // towards a NodePort) skip the lookup.
-    if is_snat_port(pkt.dport) {
-        s.rkey = ct::pkt_key(&pkt, CT_DIR_REPLY);
+    if snat_reply {
+        s.rkey = ct::pkt_key(pkt, CT_DIR_REPLY);
         // SAFETY: plain data read; the copy is taken at once.
         if let Some(r) = unsafe { CT.get(&s.rkey) } {
             if r.flags & CT_F_SNAT != 0 {
                 copy_entry(&mut s.reply, r);
-                return reply_to_client(ctx, &pkt, s, now);
+                return reply_to_client(ctx, pkt, s, now);
             }
         }
     }
 
     // 2. A known flow.
-    s.okey = ct::pkt_key(&pkt, CT_DIR_ORIGINAL);
+    s.okey = ct::pkt_key(pkt, CT_DIR_ORIGINAL);
     if let Some(ptr) = CT.get_ptr_mut(&s.okey) {
         // SAFETY: pointer from a successful lookup, valid for this program run.
         let e = unsafe { &mut *ptr };
         if fresh(e, pkt.proto, now) && (pkt.proto == PROTO_TCP || is_member(e)) {
-            touch(e, &pkt, false, now);
+            touch(e, pkt, false, now);
             copy_entry(&mut s.entry, e);
             s.route = ROUTE_NONE;
-            return forward(ctx, &pkt, s, now);
+            return forward(ctx, pkt, s, now);
         }
         // Expired, or a UDP flow whose backend left the set: free its reply entry (and
         // SNAT port) and select again as for a new flow.
@@ -128,9 +134,9 @@ pub(crate) fn ingress(ctx: &TcContext) -> i32 {
     // 3. A new flow. Translated and sent on from here, so that the deepest call chain
     // (and its stack) stays short.
     s.route = ROUTE_NONE;
-    match new_flow(ctx, &pkt, s, now) {
-        FORWARD => forward(ctx, &pkt, s, now),
-        REFUSE => icmp::port_unreachable(ctx, &pkt),
+    match new_flow(ctx, pkt, s, now) {
+        FORWARD => forward(ctx, pkt, s, now),
+        REFUSE => icmp::port_unreachable(ctx, pkt),
         verdict => verdict,
     }
 }
@@ -145,7 +151,12 @@ pub(crate) fn egress(ctx: &TcContext) -> i32 {
     // SAFETY: room for one `Pkt`.
     if unsafe { parse(ctx, pkt.as_mut_ptr()) } {
         // SAFETY: `parse` wrote the whole packet when it said true.
-        egress_flow(ctx, unsafe { pkt.assume_init_ref() })
+        let pkt = unsafe { pkt.assume_init_ref() };
+        // Only a local endpoint's reply (from its port) can be ours.
+        if !flow_port(pkt.sport) {
+            return OK;
+        }
+        egress_flow(ctx, pkt)
     } else {
         not_a_flow(ctx, FRAG_DIR_EGRESS)
     }

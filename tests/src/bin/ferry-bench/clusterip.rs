@@ -395,12 +395,16 @@ impl Ferry {
         BpfHashMap::try_from(Map::HashMap(data)).map_err(|e| format!("{}: {e}", path.display()))
     }
 
-    /// The programs attached to ferry's cgroup: (id, attach type).
+    /// ferry's programs on the client's path: those attached to its cgroup and the tc
+    /// programs on the client namespace's devices (every packet of the client's
+    /// connections passes them): (id, attach type, or `tc <device> <direction>` from the
+    /// link pin's name).
     fn programs(&self) -> Result<Vec<(u64, String)>, String> {
         let out = sh(&format!("bpftool -j cgroup show {}", self.cgroup.display()))?;
         let v: Value =
             serde_json::from_str(&out).map_err(|e| format!("bpftool cgroup show: {e}"))?;
-        Ok(v.as_array()
+        let mut progs: Vec<(u64, String)> = v
+            .as_array()
             .map(|a| {
                 a.iter()
                     .filter_map(|p| {
@@ -408,7 +412,29 @@ impl Ferry {
                     })
                     .collect()
             })
-            .unwrap_or_default())
+            .unwrap_or_default();
+        // tcx links (bpftool's `net show` does not list them): through their pins.
+        let links = self.bpffs.join("links");
+        let mut pins: Vec<PathBuf> = fs::read_dir(&links)
+            .map_err(|e| format!("{}: {e}", links.display()))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("tc_"))
+            })
+            .collect();
+        pins.sort();
+        for pin in pins {
+            let out = sh(&format!("bpftool -j link show pinned {}", pin.display()))?;
+            let v: Value =
+                serde_json::from_str(&out).map_err(|e| format!("bpftool link show: {e}"))?;
+            if let Some(id) = v["prog_id"].as_u64() {
+                let name = pin.file_name().unwrap_or_default().to_string_lossy();
+                progs.push((id, name.replace('_', " ")));
+            }
+        }
+        Ok(progs)
     }
 }
 
@@ -942,21 +968,28 @@ pub(crate) fn markdown(results: &[Value]) -> String {
         ));
     }
     if results.iter().any(|r| !r["bpf_profile"].is_null()) {
-        s.push_str("\nferry's programs under the load (`kernel.bpf_stats_enabled=1`): ns per run, runs per request:\n\n");
+        s.push_str("\nferry's programs under the load (`kernel.bpf_stats_enabled=1`): ns per run, runs per request, ns per request (the cgroup hooks and the tc programs on the client's device):\n\n");
         s.push_str(
-            "| Services | load | program | ns/run | runs/request |\n|---|---|---|---|---|\n",
+            "| Services | load | program | ns/run | runs/request | ns/request |\n|---|---|---|---|---|---|\n",
         );
         for r in results {
             for load in ["tcp", "udp"] {
                 if let Some(p) = r["bpf_profile"][load]["programs"].as_object() {
+                    let mut total = 0.0;
                     for (prog, v) in p {
+                        let ns = v["ns_per_run"].as_f64().unwrap_or(f64::NAN);
+                        let runs = v["runs_per_op"].as_f64().unwrap_or(f64::NAN);
+                        total += ns * runs;
                         s.push_str(&format!(
-                            "| {} | {load} | {prog} | {:.0} | {:.2} |\n",
+                            "| {} | {load} | {prog} | {ns:.0} | {runs:.2} | {:.0} |\n",
                             r["services"],
-                            v["ns_per_run"].as_f64().unwrap_or(f64::NAN),
-                            v["runs_per_op"].as_f64().unwrap_or(f64::NAN)
+                            ns * runs
                         ));
                     }
+                    s.push_str(&format!(
+                        "| {} | {load} | all | | | {total:.0} |\n",
+                        r["services"]
+                    ));
                 }
             }
         }
