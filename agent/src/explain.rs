@@ -11,6 +11,7 @@
 
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr, str::FromStr};
 
+use ferry_common::ct::FlowPorts;
 use ferry_common::ext::{ClientAffinityKey, MAGLEV_TABLE_SIZE, flow_hash};
 use ferry_common::lb::{
     AFFINITY_KIND_CLIENT, AFFINITY_KIND_SOCKET, AffinityKey, AffinityValue, BACKEND_F_LOCAL,
@@ -104,6 +105,9 @@ pub struct Live<'a> {
     pub now_ns: u64,
     /// The tc path's Maglev tables and source ranges.
     pub external: &'a ExternalContent,
+    /// The tc path's port filter (`FERRY_FLOW_PORTS`); `None` without one (an object
+    /// built before it, or no tc maps), when every port reaches the lookups.
+    pub flow_ports: Option<&'a FlowPorts>,
 }
 
 #[derive(Debug, Serialize)]
@@ -126,7 +130,8 @@ pub struct FrontendExplanation {
     pub scope: &'static str,
     pub service_id: u32,
     pub flags: String,
-    /// `translated`, `refused` or `dropped`.
+    /// `translated`, `refused`, `dropped`, or `untranslated` (an external frontend whose
+    /// port the tc path's port filter lacks: its packets pass untouched).
     pub verdict: &'static str,
     /// The error a local socket's connect() or sendmsg() gets, if any.
     pub errno: Option<&'static str>,
@@ -159,6 +164,10 @@ pub struct TcExplanation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_pin: Option<String>,
     pub maglev_table: bool,
+    /// The frontend's port is in the tc path's port filter (`FERRY_FLOW_PORTS`); `None`
+    /// without a filter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_in_filter: Option<bool>,
 }
 
 #[derive(Debug, Serialize)]
@@ -441,6 +450,7 @@ fn tc_path(
         source_nat,
         maglev_pick,
         maglev_table: table.is_some(),
+        port_in_filter: live.flow_ports.map(|f| f.has(k.port)),
         affinity_pin: client.from.and_then(|ip| {
             let ip = ip.to_string();
             affinity
@@ -457,6 +467,17 @@ fn external_verdict(
     tc: &TcExplanation,
     n: usize,
 ) -> (&'static str, Option<&'static str>, String) {
+    if tc.port_in_filter == Some(false) {
+        return (
+            "untranslated",
+            None,
+            "the frontend's port is not in the tc path's port filter (FERRY_FLOW_PORTS): the tc \
+             programs pass its packets untouched. The agent sets a port before it writes the \
+             frontend, so this is a bug: restarting the agent writes the filter again; please \
+             report it"
+                .into(),
+        );
+    }
     if tc.source_range == Some("dropped") {
         return (
             "dropped",
@@ -958,6 +979,7 @@ mod tests {
             connections: &conns,
             now_ns: 10_000 * S,
             external: &ExternalContent::default(),
+            flow_ports: None,
         };
         explain(&live, &q.parse().unwrap(), client)
     }
@@ -1305,6 +1327,7 @@ mod tests {
             connections: &conns,
             now_ns: 1000 * S,
             external: &ext,
+            flow_ports: None,
         };
         let q = Query {
             addr: ip_of(&key.addr),
@@ -1385,13 +1408,21 @@ mod tests {
         p.sync(&yaml);
         let ext = tc_content(&desired(&yaml), &p.current);
         let conns = BTreeMap::new();
-        let live = Live {
+        // The filter as the agent writes it: the external frontends' ports.
+        let mut ports = FlowPorts::default();
+        for k in p.current.services.keys() {
+            if k.slot == 0 && k.scope != SCOPE_LOCAL_ORIGIN {
+                ports.insert(k.port);
+            }
+        }
+        let mut live = Live {
             content: &p.current,
             affinity: &[],
             tc_affinity: &[],
             connections: &conns,
             now_ns: 0,
             external: &ext,
+            flow_ports: Some(&ports),
         };
         let q: Query = "198.51.100.1:80/tcp".parse().unwrap();
         let ask = |from: &str, port: u16| {
@@ -1442,5 +1473,26 @@ mod tests {
             "{}",
             text(&e)
         );
+        assert_eq!(f.tc.as_ref().unwrap().port_in_filter, Some(true));
+
+        // A filter without the port (a bug): the external frontend is shown untranslated.
+        let empty = FlowPorts::default();
+        live.flow_ports = Some(&empty);
+        let client = Client {
+            from: Some("203.0.113.7".parse().unwrap()),
+            from_port: Some(40000),
+            ..Default::default()
+        };
+        let e = explain(&live, &q, &client);
+        let verdicts: Vec<(&str, &str)> =
+            e.frontends.iter().map(|f| (f.scope, f.verdict)).collect();
+        assert_eq!(
+            verdicts,
+            [
+                ("local-origin", "translated"),
+                ("external-origin", "untranslated")
+            ]
+        );
+        assert!(text(&e).contains("FERRY_FLOW_PORTS"), "{}", text(&e));
     }
 }

@@ -498,6 +498,7 @@ fn run_explain(
         connections: &connections,
         now_ns: explain::sys::monotonic_ns(),
         external: &external,
+        flow_ports: maps.external.as_ref().and_then(|e| e.flow_ports()),
     };
     let client = explain::Client {
         from,

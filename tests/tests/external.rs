@@ -781,6 +781,21 @@ fn a_new_port_filter_keeps_the_ports_of_tracked_flows() {
     let addr = hostport(c.node(1).v4, NP_TCP);
     // A local backend (its replies leave through egress) and a source-NATed one.
     let mut sessions = sessions_to_both_backends(&c, &addr, 44000);
+    // `ferry explain` reads the pinned filter: the NodePort's port is in it.
+    let bpffs = c.node(1).bpffs.to_string_lossy().into_owned();
+    let ferry = bin("ferry").to_string_lossy().into_owned();
+    let out = run_in(
+        &c.node(1).netns,
+        None,
+        &ferry,
+        &["explain", &addr, "--bpffs", &bpffs, "-o", "json"],
+    );
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ferry explain {addr}: {json}");
+    assert!(
+        json.contains("\"port_in_filter\": true") && !json.contains("untranslated"),
+        "the NodePort's port is in the filter: {json}"
+    );
 
     let status = c.stop_agent(1, libc::SIGKILL);
     assert!(!status.success(), "SIGKILL: {status:?}");

@@ -115,6 +115,12 @@ impl ExternalMaps {
         }
     }
 
+    /// The port filter as the agent last wrote it (or as pinned, for `ferry explain`);
+    /// `None` without one.
+    pub fn flow_ports(&self) -> Option<&FlowPorts> {
+        self.flow_ports.as_ref().map(|f| &*f.value)
+    }
+
     /// Sets the node-side port of every tracked flow (a new filter, flows of an earlier
     /// agent). Returns (flow entries read, ports new).
     pub fn seed_flow_ports(&mut self) -> Result<(usize, usize), MapError> {
