@@ -370,6 +370,42 @@ pub fn preflight(opts: &LoadOptions) -> Result<(), LoaderError> {
     Ok(())
 }
 
+/// Whether `object` has CO-RE relocations (the `core_relo` part of its `.BTF.ext`
+/// section): only those need the kernel's BTF. `None` when the ELF cannot be read.
+fn has_core_relocations(object: &[u8]) -> Option<bool> {
+    let bytes = |o: usize, n: usize| object.get(o..o.checked_add(n)?);
+    let u16_at = |o| bytes(o, 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+    let u32_at = |o| bytes(o, 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+    let u64_at =
+        |o| bytes(o, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
+    // 64-bit little-endian ELF (bpfel).
+    if bytes(0, 6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let (shoff, shentsize) = (u64_at(0x28)?, u16_at(0x3a)?);
+    let (shnum, shstrndx) = (u16_at(0x3c)?, u16_at(0x3e)?);
+    // (name offset, file offset, size) of section `i`.
+    let section = |i: usize| {
+        let h = shoff.checked_add(i.checked_mul(shentsize)?)?;
+        Some((u32_at(h)?, u64_at(h + 24)?, u64_at(h + 32)?))
+    };
+    let names = section(shstrndx)?.1;
+    for i in 0..shnum {
+        let (name, offset, size) = section(i)?;
+        if !object
+            .get(names.checked_add(name)?..)?
+            .starts_with(b".BTF.ext\0")
+        {
+            continue;
+        }
+        // btf_ext_header: magic, version, flags, hdr_len, then offset/length pairs of
+        // func_info, line_info and (when hdr_len covers it) core_relo.
+        let hdr_len = u32_at(offset + 4)?;
+        return Some(hdr_len >= 32 && size >= 32 && u32_at(offset + 28)? > 0);
+    }
+    Some(false)
+}
+
 /// Loads the programs and opens (or creates) this layout's pinned maps. Nothing is
 /// attached yet: see [`attach`].
 pub fn load(opts: &LoadOptions) -> Result<Loaded, LoaderError> {
@@ -460,6 +496,12 @@ fn load_at(opts: &LoadOptions, capacity: Capacity, grow: bool) -> Result<Loaded,
     let seed_flow_ports = flow_ports_missing(&flow_ports)?;
     pins.push((FLOW_PORTS_MAP, flow_ports));
     let mut loader = EbpfLoader::new();
+    if has_core_relocations(OBJECT) == Some(false) {
+        // aya parses the kernel's whole BTF (megabytes of types) for CO-RE relocations,
+        // which this object has none of: dropped now, not held through the load (which
+        // runs beside the first full plan, the agent's peak).
+        loader.btf(None);
+    }
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
@@ -473,10 +515,15 @@ fn load_at(opts: &LoadOptions, capacity: Capacity, grow: bool) -> Result<Loaded,
         .map_max_entries(AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(TC_AFFINITY_MAP, opts.affinity_entries)
         .map_max_entries(SOCK_REVNAT_MAP, opts.revnat_entries)
-        // One counter per ServicePort with traffic: at most one per frontend entry.
+        // One counter per ServicePort, indexed by its service id (from 1). Every
+        // ServicePort holds a service-map entry and ids are recycled lowest first, so the
+        // planning capacity covers the live ones (an id released in the last plan and not
+        // reused yet can sit above them; one past the array is not counted, its connects
+        // go on). Not doubled like the hash maps: a per-CPU array allocates each slot when
+        // it is created (524,288 slots take 0.62 s, the largest part of a program load).
         .map_max_entries(
             ferry_common::metrics::SVC_CONNS_MAP,
-            capacity.services * HEADROOM,
+            capacity.services.saturating_add(1),
         )
         // At most one Maglev table and a few ranges per ServicePort; neither map is
         // preallocated, so the size is only a bound.
@@ -901,5 +948,58 @@ pub(super) fn remove_if_present(
             path: path.into(),
             source,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal 64-bit little-endian ELF: a null section, the section names and a
+    /// `.BTF.ext` header saying how many bytes of CO-RE relocations follow.
+    fn elf_with_btf_ext(core_relo_len: u32) -> Vec<u8> {
+        let names = b"\0.shstrtab\0.BTF.ext\0";
+        let mut ext = vec![0u8; 32];
+        ext[0..2].copy_from_slice(&0xeb9fu16.to_le_bytes());
+        ext[2] = 1;
+        ext[4..8].copy_from_slice(&32u32.to_le_bytes());
+        ext[28..32].copy_from_slice(&core_relo_len.to_le_bytes());
+        let shoff = 64 + names.len() + ext.len();
+        let mut elf = vec![0u8; 64];
+        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        elf[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        elf[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        elf[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        elf[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        elf.extend_from_slice(names);
+        elf.extend_from_slice(&ext);
+        let header = |name: u32, offset: usize, size: usize| {
+            let mut h = vec![0u8; 64];
+            h[0..4].copy_from_slice(&name.to_le_bytes());
+            h[24..32].copy_from_slice(&(offset as u64).to_le_bytes());
+            h[32..40].copy_from_slice(&(size as u64).to_le_bytes());
+            h
+        };
+        elf.extend(header(0, 0, 0));
+        elf.extend(header(1, 64, names.len()));
+        elf.extend(header(11, 64 + names.len(), ext.len()));
+        elf
+    }
+
+    #[test]
+    fn the_kernel_btf_is_needed_only_for_core_relocations() {
+        assert_eq!(has_core_relocations(&elf_with_btf_ext(0)), Some(false));
+        assert_eq!(has_core_relocations(&elf_with_btf_ext(48)), Some(true));
+        assert_eq!(has_core_relocations(b"not an object"), None);
+        let mut cut = elf_with_btf_ext(48);
+        cut.truncate(100);
+        assert_eq!(has_core_relocations(&cut), None, "section headers cut off");
+        if !OBJECT.is_empty() {
+            assert_eq!(
+                has_core_relocations(OBJECT),
+                Some(false),
+                "the embedded object is readable (and has no CO-RE relocations today)"
+            );
+        }
     }
 }
