@@ -22,9 +22,9 @@ use tracing::{error, info, warn};
 use crate::{
     dataplane::{
         self, Capacity, KernelMaps, LoadOptions, Plan, PlanError, Programmed,
-        external::External,
+        external::{External, ExternalContent, ExternalPlan},
         growth,
-        loader::{LoaderError, Pending},
+        loader::{Loaded, LoaderError, Pending},
     },
     engine::{Dirty, Engine, node_eligible},
     healthcheck::{HealthCheckService, HealthChecks},
@@ -80,6 +80,8 @@ pub enum AgentError {
     ReadMaps(#[from] aya::maps::MapError),
     #[error("detecting node addresses: {0}")]
     NodeAddresses(std::io::Error),
+    #[error("loading the programs: the loading thread ended without a result")]
+    LoadThread,
 }
 
 /// How often the node's addresses are re-read when they are not fixed by `--node-ip`.
@@ -128,6 +130,13 @@ struct Syncer {
     /// The engine's desired state is already recomputed for everything in the store (the
     /// start sized the maps from it): the first full plan uses it as it is.
     desired_current: bool,
+    /// What that desired state needs (the start computed it to size the maps).
+    start_need: Option<Capacity>,
+    /// The first full plan, made while the programs loaded ([`FirstPlan`]).
+    first_plan: Option<FirstPlan>,
+    /// Planning time spent before this sync began (the first plan's), counted in its
+    /// duration.
+    carried: Duration,
 }
 
 /// At most this many growths per sync (each retries what did not fit, which may then
@@ -389,7 +398,8 @@ impl Syncer {
             self.programmed = None;
         }
         self.log_model();
-        self.publish(started.elapsed(), &plan, report.writes);
+        let elapsed = started.elapsed() + std::mem::take(&mut self.carried);
+        self.publish(elapsed, &plan, report.writes);
     }
 
     /// Plans every ServicePort against what the kernel holds (first sync, recovery).
@@ -397,7 +407,28 @@ impl Syncer {
     fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>, bool), aya::maps::MapError> {
         let current = self.maps.read()?;
         let fresh = current == dataplane::MapContent::default();
-        if !std::mem::take(&mut self.desired_current) {
+        let start_need = self.start_need.take();
+        // Planned while the programs loaded, for maps that are still empty and of the
+        // size it assumed (otherwise it is dropped and the plan made here).
+        if let Some(first) = self.first_plan.take()
+            && fresh
+            && first.capacity == self.capacity
+            && self.maps.external.is_some()
+            && self.maps.read_external()? == ExternalContent::default()
+        {
+            self.desired_current = false;
+            self.plan_errors.clear();
+            self.carried = first.elapsed;
+            let (external, ext_plan, ext_errors) = first.external;
+            let (mut plan, mut errors) = (first.plan, first.errors);
+            self.external = external;
+            plan.external = ext_plan;
+            errors.extend(ext_errors);
+            self.programmed = Some(first.programmed);
+            return Ok((plan, errors, true));
+        }
+        let was_current = std::mem::take(&mut self.desired_current);
+        if !was_current {
             self.engine.recompute(&Dirty {
                 all: true,
                 ..Default::default()
@@ -411,7 +442,10 @@ impl Syncer {
         };
         // The maps are sized from what this list needs before anything is planned (the
         // new generation starts as a copy of `current`).
-        let need = growth::need_of(desired.services.values());
+        let need = match start_need.filter(|_| was_current) {
+            Some(need) => need,
+            None => growth::need_of(desired.services.values()),
+        };
         if let Some(to) = growth::target(self.capacity, need, self.floor, self.load.bound) {
             self.grow(to);
         }
@@ -827,17 +861,37 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let mut synced_source = false;
     let mut dirty = Dirty::default();
     let listing = Instant::now();
+    let floor = growth::floor();
+    let initial = growth::initial(floor, cfg.load.bound);
+    // Maps this layout pinned (an agent ran here before) keep their size, so nothing waits
+    // for the list: the programs load while the source lists, and the first sync grows
+    // the maps if the list needs more.
+    let early = layout_pinned(&cfg.load.bpffs).then(|| {
+        info!("this layout's maps are pinned: loading the programs while the source lists");
+        let mut load = cfg.load.clone();
+        load.capacity = initial;
+        LoadTask::spawn(load)
+    });
     while !synced_source {
         tokio::select! {
             event = rx.recv() => {
                 let Some(event) = event else {
                     warn!("the source stopped before its first list");
+                    LoadTask::abandon(early).await;
                     return Ok(());
                 };
                 handle_event(event, &mut engine, &status, &mut dirty, &mut synced_source);
             }
-            _ = tokio::signal::ctrl_c() => { info!("SIGINT: exiting before the first list"); return Ok(()); }
-            _ = sigterm.recv() => { info!("SIGTERM: exiting before the first list"); return Ok(()); }
+            _ = tokio::signal::ctrl_c() => {
+                info!("SIGINT: exiting before the first list");
+                LoadTask::abandon(early).await;
+                return Ok(());
+            }
+            _ = sigterm.recv() => {
+                info!("SIGTERM: exiting before the first list");
+                LoadTask::abandon(early).await;
+                return Ok(());
+            }
         }
     }
     // The whole store is recomputed once; the first full plan uses this desired state.
@@ -845,25 +899,43 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         all: true,
         ..Default::default()
     });
-    let floor = growth::floor();
     let need = growth::need_of(engine.desired().values());
-    let initial = growth::initial(floor, cfg.load.bound);
     let mut load = cfg.load.clone();
     load.capacity = growth::target(initial, need, floor, cfg.load.bound).unwrap_or(initial);
+    let doing = match &early {
+        Some(_) => "the programs are loading with the pinned maps' sizes".to_owned(),
+        None => format!(
+            "loading the programs with service map {} and backend map {} entries",
+            load.capacity.services, load.capacity.backends
+        ),
+    };
     info!(
         services = engine.store.service_count(),
         slices = engine.store.slice_count(),
         need_services = need.services,
         need_backends = need.backends,
         elapsed_ms = listing.elapsed().as_millis() as u64,
-        "first list in: loading the programs with service map {} and backend map {} entries",
-        load.capacity.services,
-        load.capacity.backends
+        "first list in: {doing}"
     );
-    let loading = Instant::now();
-    let loaded = tokio::task::block_in_place(|| dataplane::load(&load))?;
+    let (task, first_plan) = match early {
+        Some(task) => (task, None),
+        None => {
+            let task = LoadTask::spawn(load.clone());
+            // Nothing of this layout is pinned: the maps are created empty at this size,
+            // which is all the first full plan needs, so it is made meanwhile.
+            let first = FirstPlan::compute(&mut engine, load.capacity);
+            info!(
+                elapsed_ms = first.elapsed.as_millis() as u64,
+                "first full plan made while the programs load"
+            );
+            (task, Some(first))
+        }
+    };
+    let waiting = Instant::now();
+    let (loaded, took) = task.finish().await?;
     info!(
-        elapsed_ms = loading.elapsed().as_millis() as u64,
+        elapsed_ms = took.as_millis() as u64,
+        waited_ms = waiting.elapsed().as_millis() as u64,
         "programs loaded"
     );
     if loaded.adopted {
@@ -903,6 +975,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         floor,
         growth_blocked_until: None,
         desired_current: true,
+        start_need: Some(need),
+        first_plan,
+        carried: Duration::ZERO,
     };
     // What the recompute above covered needs no second look.
     dirty = Dirty::default();
@@ -1017,6 +1092,97 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         }
     }
     Ok(())
+}
+
+/// Whether this layout's maps are pinned (an agent ran here before): they keep their
+/// size, so the programs can load before the first list is in.
+fn layout_pinned(bpffs: &std::path::Path) -> bool {
+    let version = dataplane::loader::layout_version();
+    dataplane::loader::maps_dir(bpffs, version)
+        .join(SERVICES_MAP)
+        .exists()
+}
+
+/// The programs loading on a thread of their own: creating the maps and verifying the
+/// programs is kernel time the second CPU spends while this one lists or plans.
+struct LoadTask {
+    rx: tokio::sync::oneshot::Receiver<(Result<Loaded, LoaderError>, Duration)>,
+}
+
+impl LoadTask {
+    fn spawn(opts: LoadOptions) -> LoadTask {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let inline = opts.clone();
+        let work = move || {
+            let started = Instant::now();
+            let result = dataplane::load(&opts);
+            let _ = tx.send((result, started.elapsed()));
+        };
+        if let Err(e) = std::thread::Builder::new().name("load".into()).spawn(work) {
+            warn!("cannot start a thread to load the programs ({e}); loading them here");
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let started = Instant::now();
+            let result = tokio::task::block_in_place(|| dataplane::load(&inline));
+            let _ = tx.send((result, started.elapsed()));
+            return LoadTask { rx };
+        }
+        LoadTask { rx }
+    }
+
+    /// The loaded programs, and how long loading them took.
+    async fn finish(self) -> Result<(Loaded, Duration), AgentError> {
+        let (result, took) = self.rx.await.map_err(|_| AgentError::LoadThread)?;
+        Ok((result?, took))
+    }
+
+    /// Waits for a load nobody will use: the agent never exits while it is creating pins
+    /// (half of a layout would greet the next agent).
+    async fn abandon(task: Option<LoadTask>) {
+        if let Some(task) = task {
+            let _ = task.rx.await;
+        }
+    }
+}
+
+/// The first full plan, made while another thread loads the programs. Planning needs
+/// the maps' size and content, not the maps: where nothing of this layout is pinned they
+/// are created empty at the size the start chose. Used only if that is what the load
+/// produced ([`Syncer::full_plan`] checks).
+struct FirstPlan {
+    capacity: Capacity,
+    programmed: Programmed,
+    plan: Plan,
+    errors: Vec<PlanError>,
+    external: (External, ExternalPlan, Vec<PlanError>),
+    elapsed: Duration,
+}
+
+impl FirstPlan {
+    fn compute(engine: &mut Engine, capacity: Capacity) -> FirstPlan {
+        let started = Instant::now();
+        // Lent to the planner, not copied (as in a full plan).
+        let desired = DesiredState {
+            services: engine.take_desired(),
+            ..Default::default()
+        };
+        let empty = dataplane::MapContent::default();
+        let (programmed, plan, errors) = Programmed::full(&desired, &empty, capacity);
+        let external = External::full(
+            desired.services.values(),
+            &programmed.content,
+            &ExternalContent::default(),
+            capacity.services,
+        );
+        engine.restore_desired(desired.services);
+        FirstPlan {
+            capacity,
+            programmed,
+            plan,
+            errors,
+            external,
+            elapsed: started.elapsed(),
+        }
+    }
 }
 
 /// When `--takeover-kube-proxy` looks again after the first removal: Gardener deletes
