@@ -630,10 +630,9 @@ impl Syncer {
         }
         st.service_names_refreshed = Some(Instant::now());
         st.service_names_at = Some(st.syncs_total);
-        st.service_names = p
-            .owners()
-            .map(|(id, o)| (o.svc_id, id.to_string()))
-            .collect();
+        // Dropped before it is rebuilt: never two of it at once.
+        st.service_names.clear();
+        st.service_names = p.owners().map(|(id, o)| (o.svc_id, id.clone())).collect();
         st.no_local_endpoints_internal = p
             .content
             .services
@@ -739,8 +738,9 @@ fn start_manifests(
     ));
     tokio::spawn(async move {
         while let Some(update) = urx.recv().await {
-            for event in update.events {
-                let _ = tx.send(event);
+            // One message: the main loop must not sync between a Service and its slices.
+            if !update.events.is_empty() {
+                let _ = tx.send(SourceEvent::Batch(update.events));
             }
             if let Some(nodes) = update.nodes {
                 send_nodes(nodes);
@@ -820,6 +820,15 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     }
     // Configuration errors surface now, not after the first list.
     dataplane::loader::preflight(&cfg.load)?;
+    // aya's loader reads the kernel's BTF when it is made: now, beside the first list's
+    // requests, not beside the first full plan (the agent's peak).
+    std::thread::Builder::new()
+        .name("prepare-load".into())
+        .spawn(dataplane::loader::prepare)
+        .map_err(|e| {
+            warn!("cannot start a thread to prepare the loader ({e}); it is made at the load")
+        })
+        .ok();
     status.lock().expect("status lock").map_bounds = [
         (SERVICES_MAP, cfg.load.bound.services),
         (BACKENDS_MAP, cfg.load.bound.backends),
@@ -1266,6 +1275,12 @@ fn handle_event(
     dirty: &mut Dirty,
     synced: &mut bool,
 ) {
+    if let SourceEvent::Batch(events) = ev {
+        for ev in events {
+            handle_event(ev, engine, status, dirty, synced);
+        }
+        return;
+    }
     match &ev {
         SourceEvent::Synced => *synced = true,
         SourceEvent::Connected(up) => {
@@ -1291,7 +1306,7 @@ fn handle_event(
         | SourceEvent::SliceDeleted(_) => {
             status.lock().expect("status lock").endpoint_changes_total += 1;
         }
-        SourceEvent::Node(_) => {}
+        SourceEvent::Node(_) | SourceEvent::Batch(_) => {}
         SourceEvent::Unreadable(count) => {
             status.lock().expect("status lock").source_errors = *count;
         }

@@ -453,7 +453,7 @@ fn metrics(s: &Status) -> String {
         if let Some(name) = s.service_names.get(id) {
             m.sample(
                 "ferry_service_connections_total",
-                &[("service", name)],
+                &[("service", &name.to_string())],
                 *n as f64,
             );
         }
@@ -584,8 +584,14 @@ mod tests {
             no_local_endpoints_internal: 2,
             ..Default::default()
         };
-        s.service_names
-            .insert(7, "default/web:http/TCP/IPv4".into());
+        let web = crate::model::ServicePortId {
+            namespace: "default".into(),
+            name: "web".into(),
+            port_name: "http".into(),
+            protocol: crate::model::Protocol::Tcp,
+            family: crate::model::IpFamily::V4,
+        };
+        s.service_names.insert(7, web);
         s.scraped.service_connections.insert(7, 12);
         s.scraped.service_connections.insert(99, 5); // no longer programmed: left out
         s.scraped.fill.push(crate::dataplane::kernel::MapFill {

@@ -1064,7 +1064,8 @@ fn expand_list(v: Value) -> Vec<Value> {
 
 /// `services` Services `svc-0..` in namespace `default`, each with a ClusterIP from
 /// 10.96.0.0/12, port 80/TCP (`http`, targetPort 8080) and one EndpointSlice `svc-i-0`
-/// of `endpoints_per_service` ready IPv4 endpoints (from 10.128.0.0/9, port 8080).
+/// of `endpoints_per_service` ready IPv4 endpoints (from 10.128.0.0/9, port 8080), each
+/// with the `nodeName` of one of 100 nodes, as the EndpointSlice controller writes it.
 /// Returned in apply order (each Service before its slice).
 pub fn generate(services: usize, endpoints_per_service: usize) -> Vec<Value> {
     let ip = |n: u32| std::net::Ipv4Addr::from(n).to_string();
@@ -1092,6 +1093,7 @@ pub fn generate(services: usize, endpoints_per_service: usize) -> Vec<Value> {
                 json!({
                     "addresses": [ip(n)],
                     "conditions": {"ready": true, "serving": true, "terminating": false},
+                    "nodeName": format!("node-{}", n % 100),
                 })
             })
             .collect();

@@ -111,6 +111,7 @@ fn show(event: &SourceEvent) -> String {
         SourceEvent::Synced => "Synced".to_owned(),
         SourceEvent::Connected(up) => format!("Connected({up})"),
         SourceEvent::Unreadable(n) => format!("Unreadable({n})"),
+        SourceEvent::Batch(events) => format!("Batch of {}", events.len()),
     }
 }
 

@@ -197,6 +197,10 @@ pub struct Ids {
     /// A BTreeMap, compacted after a full plan: at 120,000 backends (30000x4) a hash table
     /// has just doubled to 262,144 buckets (6.5 MiB); full nodes take 3 MiB.
     pub(crate) backends: BTreeMap<BackendTuple, u32>,
+    /// The ids of the last plan's ServicePorts, for [`desired_content`] (planning in full
+    /// again, in tests). The agent plans in full only from an adopted `Ids`, where the
+    /// frontends in the kernel give the ids and `Programmed` keeps them afterwards: it
+    /// never fills this table (30,000 ids in 65,536 buckets were 4.3 MiB at the peak).
     pub(crate) services: HashMap<ServicePortId, u32>,
     next_backend: u32,
     next_service: u32,
@@ -285,19 +289,16 @@ impl Ids {
             .filter_map(|f| current.services.get(&slot0_key(f, sp.id.protocol)))
             .map(|v| v.svc_id)
             .find(|id| !taken.contains(id));
-        let id = match adopted {
+        match adopted {
             Some(id) => id,
             None => self.fresh_service(),
-        };
-        self.services.insert(sp.id.clone(), id);
-        id
+        }
     }
 
-    /// Forgets ids that the desired content no longer uses.
-    fn retain(&mut self, content: &MapContent, live: &BTreeMap<ServicePortId, Owned>) {
+    /// Forgets backend ids that the desired content no longer uses.
+    fn retain(&mut self, content: &MapContent) {
         self.backends
             .retain(|_, id| content.backends.contains_key(id));
-        self.services.retain(|k, _| live.contains_key(k));
     }
 }
 
@@ -405,7 +406,8 @@ pub fn desired_content(
     current: &MapContent,
     cap: Capacity,
 ) -> (MapContent, Vec<PlanError>) {
-    let (out, errors, _) = desired_content_owned(desired, ids, current, cap);
+    let (out, errors, owners) = desired_content_owned(desired, ids, current, cap);
+    ids.services = owners.iter().map(|(id, o)| (id.clone(), o.svc_id)).collect();
     (out, errors)
 }
 
@@ -416,7 +418,8 @@ pub fn desired_content_owned(
     current: &MapContent,
     cap: Capacity,
 ) -> (MapContent, Vec<PlanError>, BTreeMap<ServicePortId, Owned>) {
-    let mut owners = Vec::new();
+    // Sized once: grown by doubling, the list would hold up to twice the room.
+    let mut owners = Vec::with_capacity(desired.services.len());
     let mut out = Bulk::default();
     let mut errors = Vec::new();
     let (live, new): (Vec<&ServicePortState>, Vec<&ServicePortState>) =
@@ -475,9 +478,10 @@ pub fn desired_content_owned(
         owners.push((sp.id.clone(), place(sp, svc_id, ids, &mut out)));
     }
     let out = out.build();
-    let owners: BTreeMap<ServicePortId, Owned> = owners.into_iter().collect();
-    ids.retain(&out, &owners);
+    // Compacted before the owners map is built next to its list, the peak of the plan.
+    ids.retain(&out);
     crate::btree::compact(&mut ids.backends);
+    let owners: BTreeMap<ServicePortId, Owned> = owners.into_iter().collect();
     (out, errors, owners)
 }
 

@@ -865,6 +865,7 @@ mod tests {
             SourceEvent::Synced => "Synced".to_owned(),
             SourceEvent::Connected(up) => format!("Connected({up})"),
             SourceEvent::Unreadable(n) => format!("Unreadable({n})"),
+            SourceEvent::Batch(events) => format!("Batch of {}", events.len()),
         }
     }
 

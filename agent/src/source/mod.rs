@@ -44,4 +44,8 @@ pub enum SourceEvent {
     /// How many watched objects cannot be read now (each was reported when it turned
     /// unreadable); the `ferry_source_errors` gauge. Sent when the count changes.
     Unreadable(usize),
+    /// Events that reach the same sync: one manifests scan's changes (a file's Service
+    /// and its slices), so a Service is never programmed without endpoints that arrived
+    /// with it.
+    Batch(Vec<SourceEvent>),
 }

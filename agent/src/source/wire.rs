@@ -18,8 +18,8 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 use super::compact::{
-    self, EndpointLite, IngressLite, PortLite, ServiceLite, ServicePortLite, SliceLite, SpecLite,
-    TRIGGER_TIME,
+    self, EndpointLite, IngressLite, Label, Name, PortLite, RareSpec, ServiceLite, ServicePortLite,
+    SliceLite, SpecLite, TRIGGER_TIME,
 };
 use super::store::ObjectKey;
 
@@ -33,22 +33,23 @@ pub(super) fn service(text: &str) -> Option<Decoded<ServiceLite>> {
     let meta = w.metadata.unwrap_or_default();
     let object_meta = meta.object_meta();
     let key = ObjectKey::from_meta(&object_meta);
-    let lite = key.map(|key| ServiceLite {
-        namespace: key.namespace,
-        name: key.name,
-        labels: meta.labels.map(|l| l.0).unwrap_or_default(),
-        spec: w.spec.map(SpecWire::into_lite),
-        ingress: w
-            .status
-            .and_then(|s| s.load_balancer)
-            .and_then(|lb| lb.ingress)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|i| IngressLite {
-                ip: i.ip,
-                ip_mode: i.ip_mode.as_deref().map(compact::word),
-            })
-            .collect(),
+    let lite = key.map(|key| {
+        ServiceLite::new(
+            key.namespace,
+            key.name,
+            meta.labels.map(|l| l.0).unwrap_or_default(),
+            w.spec.map(SpecWire::into_lite),
+            w.status
+                .and_then(|s| s.load_balancer)
+                .and_then(|lb| lb.ingress)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|i| IngressLite {
+                    ip: i.ip,
+                    ip_mode: i.ip_mode.as_deref().map(compact::word),
+                })
+                .collect(),
+        )
     });
     Some((object_meta, lite))
 }
@@ -109,7 +110,7 @@ impl MetaWire {
 
 /// The kept labels; every value is checked to be a string (or null), as the typed
 /// decoder does.
-struct Labels(Box<[(Text, Text)]>);
+struct Labels(Box<[Label]>);
 
 impl<'de> Deserialize<'de> for Labels {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -120,7 +121,7 @@ impl<'de> Deserialize<'de> for Labels {
                 f.write_str("a map of strings")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Labels, A::Error> {
-                let mut kept: Vec<(Text, Text)> = Vec::new();
+                let mut kept: Vec<Label> = Vec::new();
                 let mut seen = BTreeSet::new();
                 while let Some(key) = map.next_key::<String>()? {
                     let value: Option<String> = map.next_value()?;
@@ -128,9 +129,9 @@ impl<'de> Deserialize<'de> for Labels {
                         return Err(de::Error::custom("duplicate label"));
                     }
                     if let Some(value) = value
-                        && compact::KEPT_LABELS.contains(&key.as_str())
+                        && let Some(key) = compact::kept_key(&key)
                     {
-                        kept.push((key.into(), value.into()));
+                        kept.push((key, value.into()));
                     }
                 }
                 // The typed decoder keeps labels in a BTreeMap: key order.
@@ -201,23 +202,10 @@ struct SpecWire {
 }
 
 impl SpecWire {
-    fn into_lite(self) -> SpecLite {
+    fn into_lite(self) -> (SpecLite, RareSpec) {
         let cluster_ips: Box<[Text]> = self.cluster_ips.unwrap_or_default().into();
-        SpecLite {
-            type_: self.type_.as_deref().map(compact::word),
+        let rare = RareSpec {
             cluster_ip: self.cluster_ip.filter(|_| cluster_ips.is_empty()),
-            cluster_ips,
-            ports: self
-                .ports
-                .unwrap_or_default()
-                .into_iter()
-                .map(|p| ServicePortLite {
-                    name: p.name,
-                    protocol: p.protocol.as_deref().map(compact::word),
-                    port: p.port.unwrap_or_default(),
-                    node_port: p.node_port,
-                })
-                .collect(),
             external_ips: self.external_ips.unwrap_or_default().into(),
             internal_traffic_policy: self.internal_traffic_policy.as_deref().map(compact::word),
             session_affinity: self.session_affinity.as_deref().map(compact::word),
@@ -231,7 +219,23 @@ impl SpecWire {
                 .unwrap_or_default()
                 .into(),
             health_check_node_port: self.health_check_node_port,
-        }
+        };
+        let inline = SpecLite {
+            type_: self.type_.as_deref().map(compact::word),
+            cluster_ips,
+            ports: self
+                .ports
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| ServicePortLite {
+                    name: p.name,
+                    protocol: p.protocol.as_deref().map(compact::word),
+                    port: p.port.unwrap_or_default(),
+                    node_port: p.node_port,
+                })
+                .collect(),
+        };
+        (inline, rare)
     }
 }
 
@@ -321,7 +325,7 @@ impl EndpointWire {
                 c.as_ref().and_then(|c| c.serving),
                 c.as_ref().and_then(|c| c.terminating),
             ),
-            self.node_name,
+            self.node_name.map(Name::from),
             names(zones),
             names(nodes),
         )
