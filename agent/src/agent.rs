@@ -17,7 +17,7 @@ use tokio::{
     signal::unix::SignalKind,
     sync::{mpsc, watch},
 };
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::{
     dataplane::{
@@ -903,6 +903,10 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
             }
         }
     }
+    // What only the start ran (API client, decoder, argument parsing) leaves the RSS
+    // before the first recompute and plan, the agent's peak.
+    let paged_out = crate::residency::page_out_own_code();
+    debug!(bytes = paged_out, "paged out the binary's start-up pages");
     // The whole store is recomputed once; the first full plan uses this desired state.
     engine.recompute(&Dirty {
         all: true,
@@ -1013,6 +1017,8 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         dataplane::attach(&mut syncer.ebpf, &syncer.pending)?;
         syncer.migration_pending = false;
     }
+    // Likewise what only the first load, plan and fill ran.
+    crate::residency::page_out_own_code();
     sync_health_checks(
         &mut health_checks,
         &mut health_wanted,

@@ -20,6 +20,7 @@ pub mod list;
 pub mod model;
 pub mod node;
 pub mod podnet;
+pub mod residency;
 pub mod source;
 pub mod status;
 pub mod takeover;
