@@ -374,8 +374,10 @@ impl Syncer {
             let mut st = self.status.lock().expect("status lock");
             st.map_write_failures_total += report.failures.len() as u64;
             if report.failures.is_empty() {
+                // A full sync observes the Services that have trigger times; the others'
+                // old observations go with the retain below, as if observed empty.
                 let synced = if full {
-                    self.engine.store.service_keys()
+                    self.engine.store.services_with_triggers()
                 } else {
                     dirty.services.clone()
                 };
