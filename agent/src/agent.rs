@@ -633,8 +633,10 @@ impl Syncer {
         st.service_names_refreshed = Some(Instant::now());
         st.service_names_at = Some(st.syncs_total);
         // Dropped before it is rebuilt: never two of it at once.
-        st.service_names.clear();
-        st.service_names = p.owners().map(|(id, o)| (o.svc_id, id.clone())).collect();
+        st.service_names = Default::default();
+        let mut names = Vec::with_capacity(p.programmed_ports());
+        names.extend(p.owners().map(|(id, o)| (o.svc_id, id.clone())));
+        st.service_names = crate::status::ServiceNames::new(names);
         st.no_local_endpoints_internal = p
             .content
             .services
@@ -643,7 +645,7 @@ impl Syncer {
             .map(|(_, v)| v.svc_id)
             .collect::<std::collections::BTreeSet<u32>>()
             .len();
-        let live: std::collections::BTreeSet<u32> = st.service_names.keys().copied().collect();
+        let live: std::collections::BTreeSet<u32> = st.service_names.ids().collect();
         drop(st);
         self.maps.prune_service_connections(&live);
     }

@@ -450,7 +450,7 @@ fn metrics(s: &Status) -> String {
         "Connects and unconnected UDP datagrams translated to a backend, per ServicePort.",
     );
     for (id, n) in &s.scraped.service_connections {
-        if let Some(name) = s.service_names.get(id) {
+        if let Some(name) = s.service_names.get(*id) {
             m.sample(
                 "ferry_service_connections_total",
                 &[("service", &name.to_string())],
@@ -591,7 +591,7 @@ mod tests {
             protocol: crate::model::Protocol::Tcp,
             family: crate::model::IpFamily::V4,
         };
-        s.service_names.insert(7, web);
+        s.service_names = crate::status::ServiceNames::new(vec![(7, web)]);
         s.scraped.service_connections.insert(7, 12);
         s.scraped.service_connections.insert(99, 5); // no longer programmed: left out
         s.scraped.fill.push(crate::dataplane::kernel::MapFill {
