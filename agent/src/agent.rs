@@ -17,7 +17,7 @@ use tokio::{
     signal::unix::SignalKind,
     sync::{mpsc, watch},
 };
-use tracing::{debug, error, info, warn};
+use tracing::{error, info, warn};
 
 use crate::{
     dataplane::{
@@ -909,8 +909,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     }
     // What only the start ran (API client, decoder, argument parsing) leaves the RSS
     // before the first recompute and plan, the agent's peak.
-    let paged_out = crate::residency::page_out_own_code();
-    debug!(bytes = paged_out, "paged out the binary's start-up pages");
+    crate::residency::page_out_own_code();
     // The whole store is recomputed once; the first full plan uses this desired state.
     engine.recompute(&Dirty {
         all: true,

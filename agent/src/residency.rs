@@ -60,6 +60,7 @@ pub fn page_out_own_code() -> usize {
             asked += r.end - r.start;
         }
     }
+    tracing::debug!(bytes = asked, "paged out the binary's read-only mappings");
     asked
 }
 
@@ -95,16 +96,13 @@ mod tests {
 
     #[test]
     fn paging_out_keeps_the_code_running() {
-        // The test binary pages out its own code and goes on running it.
+        // The test binary pages out its own code, then runs it again: the same mappings
+        // are found, and paged out a second time.
         let asked = page_out_own_code();
         assert!(
             asked > 0,
             "no read-only mapping of the test binary was paged out"
         );
-        assert_eq!(
-            read_only_mappings("", Path::new("/x")),
-            [],
-            "still runs after its code was paged out"
-        );
+        assert_eq!(page_out_own_code(), asked, "the mappings stay as they were");
     }
 }
