@@ -22,6 +22,7 @@ use ferry_common::{
 };
 
 use super::external::ExternalPlan;
+use crate::btree::Chunked;
 use crate::model::{
     DesiredState, EmptyAction, FrontendKind, FrontendState, Protocol, Scope, ServicePortId,
     ServicePortState,
@@ -407,7 +408,10 @@ pub fn desired_content(
     cap: Capacity,
 ) -> (MapContent, Vec<PlanError>) {
     let (out, errors, owners) = desired_content_owned(desired, ids, current, cap);
-    ids.services = owners.iter().map(|(id, o)| (id.clone(), o.svc_id)).collect();
+    ids.services = owners
+        .iter()
+        .map(|(id, o)| (id.clone(), o.svc_id))
+        .collect();
     (out, errors)
 }
 
@@ -418,8 +422,7 @@ pub fn desired_content_owned(
     current: &MapContent,
     cap: Capacity,
 ) -> (MapContent, Vec<PlanError>, BTreeMap<ServicePortId, Owned>) {
-    // Sized once: grown by doubling, the list would hold up to twice the room.
-    let mut owners = Vec::with_capacity(desired.services.len());
+    let mut owners = Chunked::default();
     let mut out = Bulk::default();
     let mut errors = Vec::new();
     let (live, new): (Vec<&ServicePortState>, Vec<&ServicePortState>) =
@@ -478,11 +481,9 @@ pub fn desired_content_owned(
         owners.push((sp.id.clone(), place(sp, svc_id, ids, &mut out)));
     }
     let out = out.build();
-    // Compacted before the owners map is built next to its list, the peak of the plan.
     ids.retain(&out);
     crate::btree::compact(&mut ids.backends);
-    let owners: BTreeMap<ServicePortId, Owned> = owners.into_iter().collect();
-    (out, errors, owners)
+    (out, errors, owners.build())
 }
 
 /// Where [`place`] writes entries.
@@ -512,77 +513,28 @@ impl Sink for MapContent {
 /// ~8.5 MiB instead of ~15.5, and building them adds about a chunk.
 #[derive(Default)]
 struct Bulk {
-    services: Chunked<ServiceKey, ServiceValue>,
-    backends: Chunked<u32, Backend>,
-    members: Chunked<MemberKey, ()>,
+    services: Chunked<BTreeMap<ServiceKey, ServiceValue>>,
+    backends: Chunked<BTreeMap<u32, Backend>>,
+    members: Chunked<BTreeSet<MemberKey>>,
     /// Backend ids in the current chunk of `backends` (a backend shared by ServicePorts
     /// is written once by each).
     chunk_backends: std::collections::HashSet<u32>,
 }
 
-/// Entries per sorted chunk.
-const CHUNK: usize = 16 * 1024;
-
-struct Chunked<K, V> {
-    done: BTreeMap<K, V>,
-    chunk: Vec<(K, V)>,
-}
-
-impl<K, V> Default for Chunked<K, V> {
-    fn default() -> Self {
-        Chunked {
-            done: BTreeMap::new(),
-            chunk: Vec::new(),
-        }
-    }
-}
-
-impl<K: Ord, V> Chunked<K, V> {
-    /// Adds an entry; true when that merged the chunk.
-    fn push(&mut self, k: K, v: V) -> bool {
-        if self.chunk.capacity() == 0 {
-            self.chunk.reserve_exact(CHUNK);
-        }
-        self.chunk.push((k, v));
-        let full = self.chunk.len() == CHUNK;
-        if full {
-            self.flush();
-        }
-        full
-    }
-
-    /// Merges the chunk in. `collect` (a stable sort) and `append` both keep the last
-    /// value written per key, as `insert` does.
-    fn flush(&mut self) {
-        let mut chunk: BTreeMap<K, V> = std::mem::take(&mut self.chunk).into_iter().collect();
-        self.done.append(&mut chunk);
-    }
-
-    /// Entries so far (a key written twice in the current chunk counts twice).
-    fn len(&self) -> usize {
-        self.done.len() + self.chunk.len()
-    }
-
-    fn build(mut self) -> BTreeMap<K, V> {
-        self.flush();
-        self.done
-    }
-}
-
 impl Sink for Bulk {
     fn service(&mut self, k: ServiceKey, v: ServiceValue) {
-        self.services.push(k, v);
+        self.services.push((k, v));
     }
     fn backend(&mut self, id: u32, b: Backend) {
         if !self.backends.done.contains_key(&id) {
             self.chunk_backends.insert(id);
         }
-        if self.backends.push(id, b) {
+        if self.backends.push((id, b)) {
             self.chunk_backends = Default::default();
         }
     }
     fn member(&mut self, m: MemberKey) {
-        self.members.push(m, ());
+        self.members.push(m);
     }
 }
 
@@ -600,7 +552,7 @@ impl Bulk {
         MapContent {
             services: self.services.build(),
             backends: self.backends.build(),
-            members: self.members.build().into_keys().collect(),
+            members: self.members.build(),
         }
     }
 }
