@@ -5,7 +5,7 @@
 //! per affected Service, and Services the burst did not touch are never rewritten.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -137,6 +137,9 @@ struct Syncer {
     /// Planning time spent before this sync began (the first plan's), counted in its
     /// duration.
     carried: Duration,
+    /// tc devices without a global address (source NAT through them cannot work), as
+    /// last logged.
+    snat_unaddressed: BTreeSet<String>,
 }
 
 /// At most this many growths per sync (each retries what did not fit, which may then
@@ -575,15 +578,25 @@ impl Syncer {
             .filter_map(|d| node::ifindex(d).map(|i| (d.clone(), i)))
             .collect();
         let want = dataplane::snat::snat_addresses(&indexed, &addrs, &self.engine.node.addresses);
-        for (device, _) in indexed
+        let unaddressed: BTreeSet<String> = indexed
             .iter()
             .filter(|(_, i)| !want.iter().any(|(k, _)| k.ifindex == *i))
-        {
+            .map(|(d, _)| d.clone())
+            .collect();
+        // Said when it changes, not at every poll.
+        for device in unaddressed.difference(&self.snat_unaddressed) {
             warn!(
                 device,
                 "no global address on this tc device: flows that need source NAT through it are dropped"
             );
         }
+        for device in self.snat_unaddressed.difference(&unaddressed) {
+            info!(
+                device,
+                "this tc device has a global address again: source NAT through it works"
+            );
+        }
+        self.snat_unaddressed = unaddressed;
         match ext.sync_snat(&want) {
             Ok(0) => {}
             Ok(writes) => info!(writes, "source NAT addresses updated"),
@@ -994,6 +1007,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         start_need: Some(need),
         first_plan,
         carried: Duration::ZERO,
+        snat_unaddressed: BTreeSet::new(),
     };
     // What the recompute above covered needs no second look.
     dirty = Dirty::default();

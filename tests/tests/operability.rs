@@ -4,7 +4,7 @@
 
 use std::{
     process::{Command, Output, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ferry_tests::*;
@@ -305,6 +305,62 @@ fn network_programming_latency_from_the_trigger_time() {
         Some(1.0),
         "one trigger value, one observation:\n{m}"
     );
+}
+
+/// A tc device without a global address (source NAT through it cannot work) is reported
+/// when that starts and when it ends, not at every address poll (every 2 s).
+#[test]
+fn a_device_without_an_address_is_reported_once() {
+    let mut w = World::new("opsnoaddr", 1, &[8080]);
+    let ns = w.node_ns.clone();
+    // A veth pair: this kernel has no dummy devices.
+    sh(&format!(
+        "ip -n {ns} link add fdummy0 type veth peer name fdummy1 && \
+         ip -n {ns} link set fdummy0 up && ip -n {ns} link set fdummy1 up"
+    ));
+    w.start_agent(&["--devices", "fdummy0"]);
+    const MISSING: &str = "no global address on this tc device";
+    const BACK: &str = "has a global address again";
+    let count = |what: &str| {
+        w.agent_log()
+            .lines()
+            .filter(|l| l.contains(what) && l.contains("fdummy0"))
+            .count()
+    };
+    let reached = |what: &str, n: usize| match count(what) {
+        c if c >= n => Ok(()),
+        c => Err(format!("{c} lines saying {what:?}")),
+    };
+    eventually(
+        "the missing address is reported",
+        Duration::from_secs(10),
+        || reached(MISSING, 1),
+    );
+    // Nothing changes for more than two polls: nothing more is said.
+    let window = Instant::now();
+    while window.elapsed() < Duration::from_secs(5) {
+        assert_eq!(
+            count(MISSING),
+            1,
+            "reported again while nothing changed:\n{}",
+            w.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    sh(&format!("ip -n {ns} addr add 198.51.100.7/24 dev fdummy0"));
+    eventually(
+        "the new address is noticed",
+        Duration::from_secs(10),
+        || reached(BACK, 1),
+    );
+    sh(&format!("ip -n {ns} addr del 198.51.100.7/24 dev fdummy0"));
+    eventually(
+        "the address is missed again",
+        Duration::from_secs(10),
+        || reached(MISSING, 2),
+    );
+    assert_eq!(count(MISSING), 2, "{}", w.agent_log());
+    assert_eq!(count(BACK), 1, "{}", w.agent_log());
 }
 
 /// Runs `ferry ARGS` in the node namespace (where the affinity entry of the node's
