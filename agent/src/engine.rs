@@ -839,7 +839,8 @@ mod tests {
         let mut b1 = slice("b-1", "b", &["10.0.0.2"]);
         b1.trigger_time = a1.trigger_time.clone();
         let a2 = slice("a-2", "a", &["10.0.0.3"]); // no annotation
-        feed(&mut e, vec![SourceEvent::SlicesReset(vec![a1, a2, b1])]);
+        let c1 = slice("c-1", "c", &["10.0.0.4"]); // no annotation
+        feed(&mut e, vec![SourceEvent::SlicesReset(vec![a1, a2, b1, c1])]);
         assert_eq!(
             e.store.trigger_times(&[key("a")]),
             vec![(key("a"), key("a-1"), "2024-05-01T12:00:00Z".to_string())]
@@ -851,7 +852,7 @@ mod tests {
         assert_eq!(
             e.store.services_with_triggers(),
             [key("a"), key("b")].into(),
-            "Services known by their slices too"
+            "Services known by their slices, and only those with a trigger time (not c)"
         );
     }
 

@@ -56,18 +56,16 @@ impl Programmed {
             diff(current, &content)
         };
         // Ids the kernel holds that the new content does not use: zeroed, then free.
-        if !current.services.is_empty() {
-            let kept: BTreeSet<u32> = owners.values().map(|o| o.svc_id).collect();
-            let gone: BTreeSet<u32> = current
-                .services
-                .iter()
-                .filter(|(k, _)| k.slot == 0)
-                .map(|(_, v)| v.svc_id)
-                .filter(|id| !kept.contains(id))
-                .collect();
-            for id in gone {
-                ids.release_service(id);
-            }
+        let kept: BTreeSet<u32> = owners.values().map(|o| o.svc_id).collect();
+        let gone: BTreeSet<u32> = current
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(_, v)| v.svc_id)
+            .filter(|id| !kept.contains(id))
+            .collect();
+        for id in gone {
+            ids.release_service(id);
         }
         plan.released_services = ids.take_released();
         let mut refs: Vec<u32> = owners.values().flat_map(|o| o.backends(&content)).collect();
