@@ -26,10 +26,10 @@ use crate::{
         growth,
         loader::{Loaded, LoaderError, Pending},
     },
-    engine::{Dirty, Engine, node_eligible},
+    engine::{Dirty, Engine, States, node_eligible},
     healthcheck::{HealthCheckService, HealthChecks},
     http::{self, Endpoints},
-    model::{DesiredState, NodeInfo, NodePortAddresses, ServicePortId},
+    model::{NodeInfo, NodePortAddresses, ServicePortId, ServicePortState},
     node,
     source::{self, SourceEvent, manifests::ManifestsSource},
     status::{SharedStatus, Status},
@@ -103,8 +103,9 @@ struct Syncer {
     programmed: Option<Programmed>,
     capacity: Capacity,
     status: SharedStatus,
-    /// ServicePorts that did not fit; retried on every sync (space may have freed).
-    plan_errors: BTreeMap<ServicePortId, PlanError>,
+    /// ServicePorts that did not fit, with their state; retried on every sync (space
+    /// may have freed).
+    plan_errors: BTreeMap<ServicePortId, (PlanError, ServicePortState)>,
     logged: std::collections::BTreeSet<String>,
     /// The plan-error summary last logged.
     logged_plan_errors: Vec<String>,
@@ -127,10 +128,10 @@ struct Syncer {
     floor: u32,
     /// After a failed growth, not again before this.
     growth_blocked_until: Option<Instant>,
-    /// The engine's desired state is already recomputed for everything in the store (the
-    /// start sized the maps from it): the first full plan uses it as it is.
-    desired_current: bool,
-    /// What that desired state needs (the start computed it to size the maps).
+    /// The desired state the start computed (and sized the maps from), when no first
+    /// plan was made from it: the first full plan uses it as it is.
+    start_states: Option<States>,
+    /// What the start's desired state needs.
     start_need: Option<Capacity>,
     /// The first full plan, made while the programs loaded ([`FirstPlan`]).
     first_plan: Option<FirstPlan>,
@@ -207,8 +208,7 @@ impl Syncer {
                 services: p.content.services.len() as u32,
                 backends: p.content.backends.len() as u32,
             };
-            let desired = self.engine.desired();
-            let missing = growth::need_of(self.plan_errors.keys().filter_map(|id| desired.get(id)));
+            let missing = growth::need_of(self.plan_errors.values().map(|(_, s)| s));
             let need = Capacity {
                 services: used.services.saturating_add(missing.services),
                 backends: used.backends.saturating_add(missing.backends),
@@ -301,26 +301,23 @@ impl Syncer {
         } else {
             Vec::new()
         };
-        let (plan, errors) = match self.programmed.as_mut() {
+        // The states planned, by id: what did not fit is kept from them.
+        let (plan, errors, mut states) = match self.programmed.as_mut() {
             Some(p) => {
                 // Everything that did not fit is tried again, also a ServicePort that is
                 // programmed in an older state (a change that did not fit keeps what it
-                // had, e.g. a frontend without the endpoints that came later).
-                let mut ids: Vec<ServicePortId> = changes;
-                ids.extend(self.plan_errors.keys().cloned());
-                ids.sort();
-                ids.dedup();
-                let desired = self.engine.desired();
-                let batch: Vec<(ServicePortId, Option<&_>)> = ids
-                    .into_iter()
-                    .map(|id| {
-                        let s = desired.get(&id);
-                        (id, s)
-                    })
+                // had, e.g. a frontend without the endpoints that came later). A newer
+                // state replaces the one retried.
+                let mut states: BTreeMap<ServicePortId, Option<ServicePortState>> =
+                    std::mem::take(&mut self.plan_errors)
+                        .into_iter()
+                        .map(|(id, (_, state))| (id, Some(state)))
+                        .collect();
+                states.extend(changes);
+                let batch: Vec<(ServicePortId, Option<&ServicePortState>)> = states
+                    .iter()
+                    .map(|(id, s)| (id.clone(), s.as_ref()))
                     .collect();
-                for (id, _) in &batch {
-                    self.plan_errors.remove(id);
-                }
                 let (mut plan, mut errors) = p.update(&batch, self.capacity);
                 if self.maps.external.is_some() {
                     // The tc path's tables follow what the service planner just placed.
@@ -329,10 +326,11 @@ impl Syncer {
                     plan.external = ext;
                     errors.extend(ext_errors);
                 }
-                (plan, errors)
+                drop(batch);
+                (plan, errors, states)
             }
             None => match self.full_plan() {
-                Ok((mut plan, errors, fresh)) => {
+                Ok((mut plan, errors, kept, fresh)) => {
                     if fresh {
                         let p = self.programmed.as_ref().expect("planned");
                         // Empty maps are filled from the content; the tc entries with them.
@@ -348,7 +346,8 @@ impl Syncer {
                             return;
                         }
                     }
-                    (plan, errors)
+                    let states = kept.into_iter().map(|s| (s.id.clone(), Some(s))).collect();
+                    (plan, errors, states)
                 }
                 Err(e) => {
                     error!("{e}");
@@ -358,8 +357,12 @@ impl Syncer {
             },
         };
         for e in errors {
-            self.plan_errors.insert(e.service().clone(), e.clone());
+            // Every error is about a state this plan had (removals do not fail).
+            if let Some(Some(state)) = states.remove(e.service()) {
+                self.plan_errors.insert(e.service().clone(), (e, state));
+            }
         }
+        drop(states);
         let report = self.maps.apply(&plan);
         if full {
             // After a full plan the index starts over from what is programmed.
@@ -408,11 +411,16 @@ impl Syncer {
     }
 
     /// Plans every ServicePort against what the kernel holds (first sync, recovery).
-    /// The third value says the maps were empty: the caller fills them from the content.
-    fn full_plan(&mut self) -> Result<(Plan, Vec<PlanError>, bool), aya::maps::MapError> {
+    /// Also returns the states still needed ([`dataplane::programmed::Full::kept`]); the
+    /// last value says the maps were empty: the caller fills them from the content.
+    #[allow(clippy::type_complexity)]
+    fn full_plan(
+        &mut self,
+    ) -> Result<(Plan, Vec<PlanError>, Vec<ServicePortState>, bool), aya::maps::MapError> {
         let current = self.maps.read()?;
         let fresh = current == dataplane::MapContent::default();
         let start_need = self.start_need.take();
+        let start_states = self.start_states.take();
         // Planned while the programs loaded, for maps that are still empty and of the
         // size it assumed (otherwise it is dropped and the plan made here).
         if let Some(first) = self.first_plan.take()
@@ -421,46 +429,40 @@ impl Syncer {
             && self.maps.external.is_some()
             && self.maps.read_external()? == ExternalContent::default()
         {
-            self.desired_current = false;
             self.plan_errors.clear();
             self.carried = first.elapsed;
             let (external, ext_plan, ext_errors) = first.external;
-            let (mut plan, mut errors) = (first.plan, first.errors);
+            let (mut plan, mut errors) = (first.full.plan, first.full.errors);
             self.external = external;
             plan.external = ext_plan;
             errors.extend(ext_errors);
-            self.programmed = Some(first.programmed);
-            return Ok((plan, errors, true));
+            self.programmed = Some(first.full.programmed);
+            return Ok((plan, errors, first.full.kept, true));
         }
-        let was_current = std::mem::take(&mut self.desired_current);
-        if !was_current {
-            self.engine.recompute(&Dirty {
-                all: true,
-                ..Default::default()
-            });
-        }
+        // The maps are sized from what this desired state needs before anything is
+        // planned (the new generation starts as a copy of `current`).
+        let (states, need) = match start_states {
+            Some(states) => {
+                let need = start_need.unwrap_or_else(|| growth::need_of(&states));
+                (states, need)
+            }
+            None => {
+                let states = self.engine.recompute_all();
+                let need = growth::need_of(&states);
+                (states, need)
+            }
+        };
         self.plan_errors.clear();
-        // Lend the engine's desired state to the planner instead of copying it.
-        let desired = DesiredState {
-            services: self.engine.take_desired(),
-            ..Default::default()
-        };
-        // The maps are sized from what this list needs before anything is planned (the
-        // new generation starts as a copy of `current`).
-        let need = match start_need.filter(|_| was_current) {
-            Some(need) => need,
-            None => growth::need_of(desired.services.values()),
-        };
         if let Some(to) = growth::target(self.capacity, need, self.floor, self.load.bound) {
             self.grow(to);
         }
-        let (programmed, mut plan, mut errors) =
-            Programmed::full(&desired, &current, self.capacity);
+        let full = Programmed::full(states, &current, self.capacity);
+        let (mut plan, mut errors) = (full.plan, full.errors);
         if let Some(maps) = &self.maps.external {
             let current = maps.read()?;
             let (external, ext_plan, ext_errors) = External::full(
-                desired.services.values(),
-                &programmed.content,
+                &full.kept,
+                &full.programmed.content,
                 &current,
                 self.capacity.services,
             );
@@ -468,15 +470,14 @@ impl Syncer {
             plan.external = ext_plan;
             errors.extend(ext_errors);
         }
-        self.engine.restore_desired(desired.services);
-        self.programmed = Some(programmed);
-        Ok((plan, errors, fresh))
+        self.programmed = Some(full.programmed);
+        Ok((plan, errors, full.kept, fresh))
     }
 
     /// The ServicePorts that are not programmed, summarized per cause, logged when the
     /// summary changes (not on every sync, and not one line per Service).
     fn log_plan_errors(&mut self) {
-        let errors: Vec<&PlanError> = self.plan_errors.values().collect();
+        let errors: Vec<&PlanError> = self.plan_errors.values().map(|(e, _)| e).collect();
         let lines = dataplane::plan::summarize(&errors);
         if lines != self.logged_plan_errors {
             for l in &lines {
@@ -924,11 +925,8 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     // before the first recompute and plan, the agent's peak.
     crate::residency::page_out_own_code();
     // The whole store is recomputed once; the first full plan uses this desired state.
-    engine.recompute(&Dirty {
-        all: true,
-        ..Default::default()
-    });
-    let need = growth::need_of(engine.desired().values());
+    let states = engine.recompute_all();
+    let need = growth::need_of(&states);
     let mut load = cfg.load.clone();
     load.capacity = growth::target(initial, need, floor, cfg.load.bound).unwrap_or(initial);
     let doing = match &early {
@@ -946,18 +944,18 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         elapsed_ms = listing.elapsed().as_millis() as u64,
         "first list in: {doing}"
     );
-    let (task, first_plan) = match early {
-        Some(task) => (task, None),
+    let (task, first_plan, start_states) = match early {
+        Some(task) => (task, None, Some(states)),
         None => {
             let task = LoadTask::spawn(load.clone());
             // Nothing of this layout is pinned: the maps are created empty at this size,
             // which is all the first full plan needs, so it is made meanwhile.
-            let first = FirstPlan::compute(&mut engine, load.capacity);
+            let first = FirstPlan::compute(states, load.capacity);
             info!(
                 elapsed_ms = first.elapsed.as_millis() as u64,
                 "first full plan made while the programs load"
             );
-            (task, Some(first))
+            (task, Some(first), None)
         }
     };
     let waiting = Instant::now();
@@ -1003,7 +1001,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         load: cfg.load.clone(),
         floor,
         growth_blocked_until: None,
-        desired_current: true,
+        start_states,
         start_need: Some(need),
         first_plan,
         carried: Duration::ZERO,
@@ -1182,35 +1180,26 @@ impl LoadTask {
 /// produced ([`Syncer::full_plan`] checks).
 struct FirstPlan {
     capacity: Capacity,
-    programmed: Programmed,
-    plan: Plan,
-    errors: Vec<PlanError>,
+    full: dataplane::programmed::Full,
     external: (External, ExternalPlan, Vec<PlanError>),
     elapsed: Duration,
 }
 
 impl FirstPlan {
-    fn compute(engine: &mut Engine, capacity: Capacity) -> FirstPlan {
+    /// Plans `states`, the start's whole desired state (consumed as it is placed).
+    fn compute(states: States, capacity: Capacity) -> FirstPlan {
         let started = Instant::now();
-        // Lent to the planner, not copied (as in a full plan).
-        let desired = DesiredState {
-            services: engine.take_desired(),
-            ..Default::default()
-        };
         let empty = dataplane::MapContent::default();
-        let (programmed, plan, errors) = Programmed::full(&desired, &empty, capacity);
+        let full = Programmed::full(states, &empty, capacity);
         let external = External::full(
-            desired.services.values(),
-            &programmed.content,
+            &full.kept,
+            &full.programmed.content,
             &ExternalContent::default(),
             capacity.services,
         );
-        engine.restore_desired(desired.services);
         FirstPlan {
             capacity,
-            programmed,
-            plan,
-            errors,
+            full,
             external,
             elapsed: started.elapsed(),
         }

@@ -357,13 +357,93 @@ pub fn node_eligible(node: Option<&Node>) -> bool {
 
 type FrontendId = (std::net::IpAddr, u16, Protocol, Scope);
 
-/// The desired state, kept per Service and updated for dirty Services only.
+/// A ServicePort state change for the planner: `None` removes the ServicePort.
+pub type Change = (ServicePortId, Option<ServicePortState>);
+
+/// What the engine keeps of a ServicePort once its state went to the planner: a digest,
+/// to tell whether a recompute changed it, and the frontends it owns, to release them.
+/// The states themselves live only on their way to the planner (at 100000x4 keeping
+/// them took 37.6 MiB at the agent's peak, beside the planner's map content).
+#[derive(Debug)]
+struct Kept {
+    digest: u128,
+    frontends: Box<[(std::net::IpAddr, u16, Scope)]>,
+}
+
+/// A 128-bit digest of `sp`: two SipHash runs over differently prefixed input. Two
+/// states with the same digest are taken as equal (a collision, 2^-128 per change,
+/// would leave one change unprogrammed).
+fn digest(sp: &ServicePortState) -> u128 {
+    use std::hash::{Hash, Hasher};
+    let mut lo = std::hash::DefaultHasher::new();
+    sp.hash(&mut lo);
+    let mut hi = std::hash::DefaultHasher::new();
+    u64::MAX.hash(&mut hi);
+    sp.hash(&mut hi);
+    (u128::from(hi.finish()) << 64) | u128::from(lo.finish())
+}
+
+/// A whole desired state, sorted by id, in chunks: as a full plan consumes it, each
+/// chunk's memory is free for the plan's content (one list of 100,000 ServicePorts would
+/// hold 11 MiB until the plan's end, the agent's peak).
+#[derive(Debug, Default)]
+pub struct States {
+    chunks: Vec<Vec<ServicePortState>>,
+}
+
+impl States {
+    const CHUNK: usize = 2048;
+
+    fn from_sorted(mut all: Vec<ServicePortState>) -> States {
+        let mut chunks = Vec::with_capacity(all.len().div_ceil(Self::CHUNK));
+        // From the end, shrinking the list as it goes: never both whole.
+        while !all.is_empty() {
+            chunks.push(all.split_off(all.len().saturating_sub(Self::CHUNK)));
+            all.shrink_to_fit();
+        }
+        chunks.reverse();
+        States { chunks }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &ServicePortState> {
+        self.chunks.iter().flatten()
+    }
+
+    pub fn len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+}
+
+impl IntoIterator for States {
+    type Item = ServicePortState;
+    type IntoIter = std::iter::Flatten<std::vec::IntoIter<Vec<ServicePortState>>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.chunks.into_iter().flatten()
+    }
+}
+
+impl<'a> IntoIterator for &'a States {
+    type Item = &'a ServicePortState;
+    type IntoIter = std::iter::Flatten<std::slice::Iter<'a, Vec<ServicePortState>>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.chunks.iter().flatten()
+    }
+}
+
+/// The desired state, recomputed for dirty Services only.
 #[derive(Debug, Default)]
 pub struct Engine {
     pub store: Store,
     pub node: NodeInfo,
-    /// Ordered by namespace and name first, so a Service's ports are one range of it.
-    desired: BTreeMap<ServicePortId, ServicePortState>,
+    /// Per ServicePort given to the planner. Ordered by namespace and name first, so a
+    /// Service's ports are one range of it.
+    desired: BTreeMap<ServicePortId, Kept>,
     /// Which ServicePort owns each frontend: the first to claim it keeps it, so two
     /// Services fighting over an address never flap. A BTreeMap compacted after a full
     /// recompute: a hash table of 30,000 entries has 65,536 buckets of 80 bytes.
@@ -385,18 +465,9 @@ impl Engine {
         }
     }
 
-    pub fn desired(&self) -> &BTreeMap<ServicePortId, ServicePortState> {
-        &self.desired
-    }
-
-    /// Lends the desired state out (a full plan reads it whole); give it back with
-    /// [`Engine::restore_desired`].
-    pub fn take_desired(&mut self) -> BTreeMap<ServicePortId, ServicePortState> {
-        std::mem::take(&mut self.desired)
-    }
-
-    pub fn restore_desired(&mut self, desired: BTreeMap<ServicePortId, ServicePortState>) {
-        self.desired = desired;
+    /// ServicePorts in the desired state.
+    pub fn port_count(&self) -> usize {
+        self.desired.len()
     }
 
     /// The healthCheckNodePort servers the desired state needs, per Service.
@@ -415,12 +486,39 @@ impl Engine {
         (problems, skips)
     }
 
-    /// Recomputes the dirty Services; returns the ServicePorts that changed (their new
-    /// state, or their absence, is in [`Engine::desired`]: no copies, which at 10,000
-    /// Services would double the desired state at the peak of the first sync).
-    pub fn recompute(&mut self, dirty: &Dirty) -> Vec<ServicePortId> {
+    /// Recomputes the dirty Services; returns the ServicePorts whose state changed, with
+    /// their new state (`None`: gone).
+    pub fn recompute(&mut self, dirty: &Dirty) -> Vec<Change> {
+        let mut changes = Vec::new();
+        self.recompute_with(dirty.all, &dirty.services, false, &mut |id, state| {
+            changes.push((id, state))
+        });
+        changes
+    }
+
+    /// Recomputes every Service; returns the whole desired state, sorted by id (a full
+    /// plan needs it whole; it is not kept here).
+    pub fn recompute_all(&mut self) -> States {
+        let mut states = Vec::new();
+        self.recompute_with(true, &BTreeSet::new(), true, &mut |_, state| {
+            states.extend(state)
+        });
+        // Sorted already but for Services that won a frontend another one let go.
+        states.sort_by(|a, b| a.id.cmp(&b.id));
+        States::from_sorted(states)
+    }
+
+    /// Recomputes the Services in `dirty` (every one when `all`), passing changes to
+    /// `out`; with `every` each state goes to `out`, changed or not.
+    fn recompute_with(
+        &mut self,
+        all: bool,
+        dirty: &BTreeSet<ObjectKey>,
+        every: bool,
+        out: &mut dyn FnMut(ServicePortId, Option<ServicePortState>),
+    ) {
         self.node.zone = zone_of(self.store.node());
-        let keys: BTreeSet<ObjectKey> = if dirty.all {
+        let keys: BTreeSet<ObjectKey> = if all {
             let programmed = self
                 .desired
                 .keys()
@@ -432,32 +530,32 @@ impl Engine {
                 .chain(programmed)
                 .collect()
         } else {
-            dirty.services.clone()
+            dirty.clone()
         };
-        let mut changes = Vec::new();
         let mut work: Vec<ObjectKey> = keys.into_iter().rev().collect();
         let mut done = BTreeSet::new();
         while let Some(k) = work.pop() {
             if done.insert(k.clone()) {
-                let freed = self.recompute_one(&k, &mut changes);
+                let freed = self.recompute_one(&k, every, out);
                 work.extend(freed.into_iter().filter(|l| !done.contains(l)));
             }
         }
-        if dirty.all {
+        if all {
             self.port_names
                 .retain(|p| std::sync::Arc::strong_count(p) > 1);
             // Filled in key order, these maps' nodes are half full.
             crate::btree::compact(&mut self.desired);
             crate::btree::compact(&mut self.owner);
         }
-        changes
     }
 
-    /// Recomputes one Service; returns Services waiting for a frontend it released.
+    /// Recomputes one Service, passing its changed states to `out` (all of them when
+    /// `every`); returns Services waiting for a frontend it released.
     fn recompute_one(
         &mut self,
         k: &ObjectKey,
-        changes: &mut Vec<ServicePortId>,
+        every: bool,
+        out: &mut dyn FnMut(ServicePortId, Option<ServicePortState>),
     ) -> BTreeSet<ObjectKey> {
         let (mut state, owner) = match self.store.services.get(k) {
             Some(svc) => (
@@ -487,19 +585,32 @@ impl Engine {
                 continue;
             }
             new_ports.insert(id.clone());
-            if self.desired.get(&id) != Some(&sp) {
-                // Kept until the next change: without the room the model's pushes left.
+            let kept = Kept {
+                digest: digest(&sp),
+                frontends: sp
+                    .frontends
+                    .iter()
+                    .map(|f| (f.addr, f.port, f.scope))
+                    .collect(),
+            };
+            let changed = self
+                .desired
+                .get(&id)
+                .is_none_or(|old| old.digest != kept.digest);
+            // Inserted either way: the frontends were released above.
+            self.desired.insert(id.clone(), kept);
+            if changed || every {
+                // Without the room the model's pushes left (a retry may keep it).
                 sp.frontends.shrink_to_fit();
                 for f in &mut sp.frontends {
                     f.set.endpoints.shrink_to_fit();
                 }
-                self.desired.insert(id.clone(), sp);
-                changes.push(id);
+                out(id, Some(sp));
             }
         }
         for id in old_ports.difference(&new_ports) {
             self.desired.remove(id);
-            changes.push(id.clone());
+            out(id.clone(), None);
         }
         if state.problems.is_empty() && state.skips.is_empty() {
             self.problems.remove(k);
@@ -557,9 +668,9 @@ impl Engine {
     /// Lets go of a ServicePort's frontends; returns them.
     fn release_frontends(&mut self, id: &ServicePortId) -> Vec<FrontendId> {
         let mut out = Vec::new();
-        if let Some(sp) = self.desired.get(id) {
-            for f in &sp.frontends {
-                let fid = (f.addr, f.port, id.protocol, f.scope);
+        if let Some(kept) = self.desired.get(id) {
+            for &(addr, port, scope) in &kept.frontends {
+                let fid = (addr, port, id.protocol, scope);
                 if self.owner.get(&fid) == Some(id) {
                     self.owner.remove(&fid);
                     out.push(fid);
@@ -654,21 +765,24 @@ mod tests {
         })
     }
 
-    fn feed(
-        e: &mut Engine,
-        events: Vec<SourceEvent>,
-    ) -> Vec<(ServicePortId, Option<ServicePortState>)> {
+    fn feed(e: &mut Engine, events: Vec<SourceEvent>) -> Vec<Change> {
         let mut dirty = Dirty::default();
         for ev in events {
             e.store.apply(ev, &mut dirty);
         }
-        let ids = e.recompute(&dirty);
-        ids.into_iter()
-            .map(|id| {
-                let s = e.desired().get(&id).cloned();
-                (id, s)
-            })
-            .collect()
+        e.recompute(&dirty)
+    }
+
+    /// The whole desired state (recomputing an unchanged store changes nothing).
+    fn desired(e: &mut Engine) -> BTreeMap<ServicePortId, ServicePortState> {
+        let states = e.recompute_all();
+        assert_eq!(states.len(), states.iter().count());
+        let again = e.recompute(&Dirty {
+            all: true,
+            ..Default::default()
+        });
+        assert!(again.is_empty(), "{again:?}");
+        states.into_iter().map(|s| (s.id.clone(), s)).collect()
     }
 
     fn names(changes: &[(ServicePortId, Option<ServicePortState>)]) -> Vec<String> {
@@ -720,6 +834,49 @@ mod tests {
             same.is_empty(),
             "an identical object changes nothing: {same:?}"
         );
+    }
+
+    #[test]
+    fn a_change_and_its_undoing_are_both_changes() {
+        let mut e = engine();
+        let one = slice("a-1", "a", &["10.0.0.1"]);
+        let two = slice("a-1", "a", &["10.0.0.1", "10.0.0.2"]);
+        feed(&mut e, services_a_and_b(one.clone()));
+        for (step, s) in [two, one].into_iter().enumerate() {
+            let n = s.endpoints.len();
+            let changes = feed(&mut e, vec![SourceEvent::SliceApplied(s)]);
+            assert_eq!(names(&changes), ["a"], "step {step}");
+            let state = changes[0].1.as_ref().unwrap();
+            assert_eq!(state.frontends[0].set.endpoints.len(), n, "step {step}");
+        }
+        let all: Vec<ServicePortState> = e.recompute_all().into_iter().collect();
+        let ids: Vec<&str> = all.iter().map(|s| &*s.id.name).collect();
+        assert_eq!(ids, ["a", "b"], "every state, sorted, changed or not");
+        assert_eq!(all, desired(&mut e).into_values().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn states_keep_their_order_across_chunks() {
+        let n = States::CHUNK * 2 + 5;
+        let all: Vec<ServicePortState> = (0..n)
+            .map(|i| ServicePortState {
+                id: ServicePortId {
+                    namespace: "default".into(),
+                    name: format!("svc-{i:05}").into(),
+                    port_name: "".into(),
+                    protocol: Protocol::Tcp,
+                    family: model::IpFamily::V4,
+                },
+                affinity_timeout_s: None,
+                frontends: Vec::new(),
+                source_ranges: None,
+            })
+            .collect();
+        let states = States::from_sorted(all.clone());
+        assert_eq!(states.chunks.len(), 3);
+        assert_eq!(states.len(), n);
+        assert!(states.iter().eq(all.iter()));
+        assert_eq!(states.into_iter().collect::<Vec<_>>(), all);
     }
 
     #[test]
@@ -780,14 +937,13 @@ mod tests {
                 .any(|p| p.object == "Service default/b" && p.message.contains("already served")),
             "{problems:?}"
         );
-        let b_id = e
-            .desired()
+        let b_id = desired(&mut e)
             .keys()
             .find(|id| &*id.name == "b")
             .unwrap()
             .clone();
         assert_eq!(
-            e.desired()[&b_id].frontends.len(),
+            desired(&mut e)[&b_id].frontends.len(),
             1,
             "b keeps only its ClusterIP while a holds the externalIP"
         );
@@ -799,7 +955,8 @@ mod tests {
             "b is recomputed when a lets go"
         );
         // ClusterIP, and the externalIP in both scopes.
-        assert_eq!(e.desired()[&b_id].frontends.len(), 3);
+        assert_eq!(changes[1].1.as_ref().unwrap().frontends.len(), 3);
+        assert_eq!(desired(&mut e)[&b_id].frontends.len(), 3);
         assert!(e.report().0.is_empty(), "the conflict is resolved");
     }
 
@@ -867,23 +1024,24 @@ mod tests {
     #[test]
     fn a_slice_moved_to_another_service_leaves_the_first() {
         let mut e = engine();
-        let eps = |id: &ServicePortId, e: &Engine| e.desired()[id].frontends[0].set.endpoints.len();
+        let eps =
+            |id: &ServicePortId, e: &mut Engine| desired(e)[id].frontends[0].set.endpoints.len();
         feed(&mut e, services_a_and_b(slice("s-1", "a", &["10.0.0.1"])));
-        let id = |name: &str, e: &Engine| {
-            e.desired()
+        let id = |name: &str, e: &mut Engine| {
+            desired(e)
                 .keys()
                 .find(|id| &*id.name == name)
                 .unwrap()
                 .clone()
         };
-        let (a, b) = (id("a", &e), id("b", &e));
-        assert_eq!((eps(&a, &e), eps(&b, &e)), (1, 0));
+        let (a, b) = (id("a", &mut e), id("b", &mut e));
+        assert_eq!((eps(&a, &mut e), eps(&b, &mut e)), (1, 0));
         let moved = feed(
             &mut e,
             vec![SourceEvent::SliceApplied(slice("s-1", "b", &["10.0.0.1"]))],
         );
         assert_eq!(names(&moved), ["a", "b"]);
-        assert_eq!((eps(&a, &e), eps(&b, &e)), (0, 1));
+        assert_eq!((eps(&a, &mut e), eps(&b, &mut e)), (0, 1));
         // A relist that moves it back, next to a new slice of b.
         let relist = feed(
             &mut e,
@@ -893,10 +1051,10 @@ mod tests {
             ])],
         );
         assert_eq!(names(&relist), ["a", "b"]);
-        assert_eq!((eps(&a, &e), eps(&b, &e)), (1, 2));
+        assert_eq!((eps(&a, &mut e), eps(&b, &mut e)), (1, 2));
         let gone = feed(&mut e, vec![SourceEvent::SliceDeleted(key("s-2"))]);
         assert_eq!(names(&gone), ["b"]);
-        assert_eq!(eps(&b, &e), 0);
+        assert_eq!(eps(&b, &mut e), 0);
         assert_eq!(e.store.by_service.len(), 1, "{:?}", e.store.by_service);
     }
 
@@ -912,12 +1070,17 @@ mod tests {
         let owner = slice.label_value(SERVICE_NAME_LABEL).unwrap();
         assert!(std::sync::Arc::ptr_eq(&svc_a.name, owner));
         assert_eq!(e.store.namespaces.len(), 1);
-        let ids: Vec<&ServicePortId> = e.desired().keys().collect();
-        assert!(std::sync::Arc::ptr_eq(&ids[0].name, &svc_a.name));
-        assert!(std::sync::Arc::ptr_eq(&ids[0].port_name, &ids[1].port_name));
+        let kept: Vec<&ServicePortId> = e.desired.keys().collect();
+        assert!(std::sync::Arc::ptr_eq(&kept[0].name, &svc_a.name));
         assert!(std::sync::Arc::ptr_eq(
-            &e.desired()[ids[0]].id.name,
-            &svc_a.name
+            &kept[0].port_name,
+            &kept[1].port_name
+        ));
+        let svc_a = svc_a.name.clone();
+        let states = e.recompute_all();
+        assert!(std::sync::Arc::ptr_eq(
+            &states.iter().next().unwrap().id.name,
+            &svc_a
         ));
     }
 

@@ -280,6 +280,7 @@ pub(crate) mod tests {
         dataplane::{
             Capacity, Programmed,
             plan::tests::{apply, desired},
+            programmed::tests::full_of,
         },
         model::DesiredState,
     };
@@ -327,7 +328,7 @@ pub(crate) mod tests {
         fn restart(yaml: &str, kernel: &ExternalContent) -> (Agent, ExternalPlan) {
             let state = desired(yaml);
             let cap = Capacity::default();
-            let (programmed, _, _) = Programmed::full(&state, &MapContent::default(), cap);
+            let (programmed, _, _) = full_of(&state, &MapContent::default(), cap);
             let (external, plan, errors) =
                 External::full(state.services.values(), &programmed.content, kernel, CAP);
             assert!(errors.is_empty(), "{errors:?}");
@@ -504,7 +505,7 @@ pub(crate) mod tests {
     #[test]
     fn capacity_is_enforced_per_table() {
         let state = desired(&lb("Cluster", &["10.0.0.1"], &[], ""));
-        let (p, _, _) = Programmed::full(&state, &MapContent::default(), Capacity::default());
+        let (p, _, _) = full_of(&state, &MapContent::default(), Capacity::default());
         let (ext, plan, errors) = External::full(
             state.services.values(),
             &p.content,

@@ -24,8 +24,7 @@ use ferry_common::{
 use super::external::ExternalPlan;
 use crate::btree::Chunked;
 use crate::model::{
-    DesiredState, EmptyAction, FrontendKind, FrontendState, Protocol, Scope, ServicePortId,
-    ServicePortState,
+    EmptyAction, FrontendKind, FrontendState, Protocol, Scope, ServicePortId, ServicePortState,
 };
 
 /// Map capacities (entries). The agent takes them from flags and sizes the maps with them.
@@ -401,13 +400,15 @@ pub(crate) fn footprint(sp: &ServicePortState) -> (u32, BTreeSet<BackendTuple>) 
 
 /// Computes the map content for `desired`. ServicePorts already programmed are placed
 /// first, so a new Service that does not fit can never push out a live one.
+#[cfg(test)]
 pub fn desired_content(
-    desired: &DesiredState,
+    desired: &crate::model::DesiredState,
     ids: &mut Ids,
     current: &MapContent,
     cap: Capacity,
 ) -> (MapContent, Vec<PlanError>) {
-    let (out, errors, owners) = desired_content_owned(desired, ids, current, cap);
+    let states = desired.services.values().cloned();
+    let (out, errors, owners, _) = desired_content_owned(states, ids, current, cap);
     ids.services = owners
         .iter()
         .map(|(id, o)| (id.clone(), o.svc_id))
@@ -415,75 +416,117 @@ pub fn desired_content(
     (out, errors)
 }
 
-/// [`desired_content`], also saying which entries each ServicePort owns.
+/// The map content for `desired` (sorted by id), which entries each ServicePort owns,
+/// and the states still needed after it: those with an external-origin frontend (the tc
+/// planner's input) and those not placed (retried later). The others are dropped as they
+/// are placed, so the whole desired state and the whole content never coexist.
 pub fn desired_content_owned(
-    desired: &DesiredState,
+    desired: impl IntoIterator<Item = ServicePortState>,
     ids: &mut Ids,
     current: &MapContent,
     cap: Capacity,
-) -> (MapContent, Vec<PlanError>, BTreeMap<ServicePortId, Owned>) {
+) -> (
+    MapContent,
+    Vec<PlanError>,
+    BTreeMap<ServicePortId, Owned>,
+    Vec<ServicePortState>,
+) {
     let mut owners = Chunked::default();
     let mut out = Bulk::default();
     let mut errors = Vec::new();
-    let (live, new): (Vec<&ServicePortState>, Vec<&ServicePortState>) =
-        desired.services.values().partition(|sp| {
-            sp.frontends
-                .iter()
-                .any(|f| current.services.contains_key(&slot0_key(f, sp.id.protocol)))
-        });
+    let mut kept = Vec::new();
     // Ids held by known ServicePorts are never adopted by another one.
     let mut taken: BTreeSet<u32> = ids.services.values().copied().collect();
-    for sp in live.into_iter().chain(new) {
-        if let Some(f) = sp
+    let mut place_one = |sp: ServicePortState| {
+        let placed = try_place(&sp, ids, current, cap, &mut taken, &mut out, &mut errors);
+        let failed = placed.is_none();
+        if let Some(owned) = placed {
+            owners.push((sp.id.clone(), owned));
+        }
+        if failed
+            || sp
+                .frontends
+                .iter()
+                .any(|f| f.scope == Scope::ExternalOrigin)
+        {
+            kept.push(sp);
+        }
+    };
+    // Live ServicePorts (a frontend in the kernel) go first; empty maps have none.
+    let mut new = Vec::new();
+    for sp in desired {
+        let live = sp
             .frontends
             .iter()
-            .find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize)
-        {
-            errors.push(PlanError::TooManyEndpoints {
-                service: sp.id.clone(),
-                count: f.set.endpoints.len(),
-                max: MAX_BACKENDS_PER_SERVICE,
-            });
-            continue;
+            .any(|f| current.services.contains_key(&slot0_key(f, sp.id.protocol)));
+        if live || current.services.is_empty() {
+            place_one(sp);
+        } else {
+            new.push(sp);
         }
-        let (entries, tuples) = footprint(sp);
-        let used = out.services.len() as u32;
-        if used + entries > cap.services {
-            errors.push(PlanError::MapFull {
-                service: sp.id.clone(),
-                map: ferry_common::lb::SERVICES_MAP,
-                flag: "max-services",
-                needed: entries,
-                free: cap.services.saturating_sub(used),
-                capacity: cap.services,
-            });
-            continue;
-        }
-        // A tuple is placed already when its id is in `out` (one id per tuple).
-        let fresh = tuples
-            .iter()
-            .filter(|t| ids.backends.get(t).is_none_or(|id| !out.is_placed(*id)))
-            .count() as u32;
-        let used_b = out.backend_count() as u32;
-        if used_b + fresh > cap.backends {
-            errors.push(PlanError::MapFull {
-                service: sp.id.clone(),
-                map: ferry_common::lb::BACKENDS_MAP,
-                flag: "max-backends",
-                needed: fresh,
-                free: cap.backends.saturating_sub(used_b),
-                capacity: cap.backends,
-            });
-            continue;
-        }
-        let svc_id = ids.service(sp, current, &taken);
-        taken.insert(svc_id);
-        owners.push((sp.id.clone(), place(sp, svc_id, ids, &mut out)));
     }
+    new.into_iter().for_each(place_one);
     let out = out.build();
     ids.retain(&out);
     crate::btree::compact(&mut ids.backends);
-    (out, errors, owners.build())
+    (out, errors, owners.build(), kept)
+}
+
+/// Places one ServicePort into `out` when it fits (else says why in `errors`).
+fn try_place(
+    sp: &ServicePortState,
+    ids: &mut Ids,
+    current: &MapContent,
+    cap: Capacity,
+    taken: &mut BTreeSet<u32>,
+    out: &mut Bulk,
+    errors: &mut Vec<PlanError>,
+) -> Option<Owned> {
+    if let Some(f) = sp
+        .frontends
+        .iter()
+        .find(|f| f.set.endpoints.len() > MAX_BACKENDS_PER_SERVICE as usize)
+    {
+        errors.push(PlanError::TooManyEndpoints {
+            service: sp.id.clone(),
+            count: f.set.endpoints.len(),
+            max: MAX_BACKENDS_PER_SERVICE,
+        });
+        return None;
+    }
+    let (entries, tuples) = footprint(sp);
+    let used = out.services.len() as u32;
+    if used + entries > cap.services {
+        errors.push(PlanError::MapFull {
+            service: sp.id.clone(),
+            map: ferry_common::lb::SERVICES_MAP,
+            flag: "max-services",
+            needed: entries,
+            free: cap.services.saturating_sub(used),
+            capacity: cap.services,
+        });
+        return None;
+    }
+    // A tuple is placed already when its id is in `out` (one id per tuple).
+    let fresh = tuples
+        .iter()
+        .filter(|t| ids.backends.get(t).is_none_or(|id| !out.is_placed(*id)))
+        .count() as u32;
+    let used_b = out.backend_count() as u32;
+    if used_b + fresh > cap.backends {
+        errors.push(PlanError::MapFull {
+            service: sp.id.clone(),
+            map: ferry_common::lb::BACKENDS_MAP,
+            flag: "max-backends",
+            needed: fresh,
+            free: cap.backends.saturating_sub(used_b),
+            capacity: cap.backends,
+        });
+        return None;
+    }
+    let svc_id = ids.service(sp, current, taken);
+    taken.insert(svc_id);
+    Some(place(sp, svc_id, ids, out))
 }
 
 /// Where [`place`] writes entries.
@@ -836,7 +879,7 @@ pub(crate) mod tests {
     use ferry_common::lb::{BACKENDS_MAP, MAX_BACKENDS_PER_SERVICE, SERVICES_MAP};
 
     use super::*;
-    use crate::model::{self, IpFamily, NodeInfo};
+    use crate::model::{self, DesiredState, IpFamily, NodeInfo};
 
     pub(crate) use crate::model::testutil::dedent;
 
@@ -1856,7 +1899,7 @@ mod bulk_tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     use super::*;
-    use crate::model::{Endpoint, EndpointSet, IpFamily};
+    use crate::model::{DesiredState, Endpoint, EndpointSet, IpFamily};
 
     /// `n` ClusterIP ServicePorts of 10 endpoints; neighbours share 5 backends, and every
     /// 7th endpoint is terminating in one Service and not in the next (the same backend
@@ -1911,13 +1954,14 @@ mod bulk_tests {
             services: 1 << 20,
             backends: 1 << 20,
         };
-        let (content, errors, owners) = desired_content_owned(
-            &d,
+        let (content, errors, owners, kept) = desired_content_owned(
+            d.services.values().cloned(),
             &mut Ids::adopt(&MapContent::default()),
             &MapContent::default(),
             cap,
         );
         assert!(errors.is_empty());
+        assert!(kept.is_empty(), "placed, and no external-origin frontend");
         let mut ids = Ids::adopt(&MapContent::default());
         let mut expected = MapContent::default();
         for (n, sp) in d.services.values().enumerate() {
@@ -1939,8 +1983,8 @@ mod bulk_tests {
             services: 1 << 20,
             backends: 3000 * 5 + 4,
         };
-        let (content, errors, _) = desired_content_owned(
-            &d,
+        let (content, errors, _, kept) = desired_content_owned(
+            d.services.values().cloned(),
             &mut Ids::adopt(&MapContent::default()),
             &MapContent::default(),
             cap,
@@ -1953,6 +1997,12 @@ mod bulk_tests {
             })
             .collect();
         assert_eq!(refused, [("svc-998".into(), 4), ("svc-999".into(), 4)]);
+        let kept: Vec<&str> = kept.iter().map(|s| &*s.id.name).collect();
+        assert_eq!(
+            kept,
+            ["svc-998", "svc-999"],
+            "the states not placed come back"
+        );
         assert_eq!(content.backends.len(), 3000 * 5);
     }
 }

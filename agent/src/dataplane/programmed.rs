@@ -14,7 +14,7 @@ use super::plan::{
     Capacity, Ids, MapContent, Owned, Plan, PlanError, desired_content_owned, diff, footprint,
     place,
 };
-use crate::model::{DesiredState, ServicePortId, ServicePortState};
+use crate::model::{ServicePortId, ServicePortState};
 
 #[derive(Debug, Default)]
 pub struct Programmed {
@@ -30,6 +30,17 @@ pub struct Programmed {
     frontends: usize,
 }
 
+/// A full plan ([`Programmed::full`]).
+pub struct Full {
+    pub programmed: Programmed,
+    pub plan: Plan,
+    /// What was not placed, and why.
+    pub errors: Vec<PlanError>,
+    /// The states still needed: those with an external-origin frontend (for the tc
+    /// planner) and those not placed (to retry).
+    pub kept: Vec<ServicePortState>,
+}
+
 /// The original values of everything one update touched, to diff against.
 #[derive(Default)]
 struct Touched {
@@ -39,16 +50,18 @@ struct Touched {
 }
 
 impl Programmed {
-    /// Plans the whole desired state against `current` (what the kernel holds now). When
-    /// `current` is empty the plan is empty too: write `content` with `KernelMaps::fill`.
+    /// Plans the whole desired state (sorted by id) against `current` (what the kernel
+    /// holds now). When `current` is empty the plan is empty too: write `content` with
+    /// `KernelMaps::fill`. The states are consumed; [`Full::kept`] has those still needed.
     pub fn full(
-        desired: &DesiredState,
+        desired: impl IntoIterator<Item = ServicePortState>,
         current: &MapContent,
         cap: Capacity,
-    ) -> (Programmed, Plan, Vec<PlanError>) {
+    ) -> Full {
         let mut ids = Ids::adopt(current);
         // The ServicePorts' ids come from the kernel's frontends; `owners` keeps them.
-        let (content, errors, owners) = desired_content_owned(desired, &mut ids, current, cap);
+        let (content, errors, owners, kept) =
+            desired_content_owned(desired, &mut ids, current, cap);
         // Empty maps are filled straight from `content` (KernelMaps::fill): no plan.
         let mut plan = if current == &MapContent::default() {
             Plan::default()
@@ -56,13 +69,13 @@ impl Programmed {
             diff(current, &content)
         };
         // Ids the kernel holds that the new content does not use: zeroed, then free.
-        let kept: BTreeSet<u32> = owners.values().map(|o| o.svc_id).collect();
+        let in_use: BTreeSet<u32> = owners.values().map(|o| o.svc_id).collect();
         let gone: BTreeSet<u32> = current
             .services
             .iter()
             .filter(|(k, _)| k.slot == 0)
             .map(|(_, v)| v.svc_id)
-            .filter(|id| !kept.contains(id))
+            .filter(|id| !in_use.contains(id))
             .collect();
         for id in gone {
             ids.release_service(id);
@@ -73,8 +86,8 @@ impl Programmed {
         let backend_refs = run_lengths(&refs);
         drop(refs);
         let frontends = content.services.keys().filter(|k| k.slot == 0).count();
-        (
-            Programmed {
+        Full {
+            programmed: Programmed {
                 content,
                 ids,
                 owners,
@@ -83,7 +96,8 @@ impl Programmed {
             },
             plan,
             errors,
-        )
+            kept,
+        }
     }
 
     pub fn programmed_ports(&self) -> usize {
@@ -328,7 +342,7 @@ fn run_lengths(sorted: &[u32]) -> BTreeMap<u32, u32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::BTreeSet;
 
     use ferry_common::lb::ServiceKey;
@@ -338,6 +352,17 @@ mod tests {
         fmt_endpoint,
         tests::{apply, desired, docs, web},
     };
+    use crate::model::DesiredState;
+
+    /// [`Programmed::full`] of a copy of `desired`, as a tuple.
+    pub(crate) fn full_of(
+        desired: &DesiredState,
+        current: &MapContent,
+        cap: Capacity,
+    ) -> (Programmed, Plan, Vec<PlanError>) {
+        let full = Programmed::full(desired.services.values().cloned(), current, cap);
+        (full.programmed, full.plan, full.errors)
+    }
 
     /// What the datapath would do, independent of ids: per frontend, its flags and the
     /// backends its slots reach.
@@ -386,7 +411,7 @@ mod tests {
         let cap = Capacity::default();
         let mut kernel = MapContent::default();
         let mut prev = DesiredState::default();
-        let (mut p, _, _) = Programmed::full(&prev, &kernel, cap);
+        let (mut p, _, _) = full_of(&prev, &kernel, cap);
         let mut plans = Vec::new();
         for (i, yaml) in steps.iter().enumerate() {
             let next = desired(yaml);
@@ -397,7 +422,7 @@ mod tests {
                 kernel, p.content,
                 "step {i}: the kernel must hold what was planned"
             );
-            let (full, _, _) = Programmed::full(&next, &MapContent::default(), cap);
+            let (full, _, _) = full_of(&next, &MapContent::default(), cap);
             assert_eq!(
                 semantic(&p.content),
                 semantic(&full.content),
@@ -496,7 +521,7 @@ mod tests {
     #[test]
     fn unchanged_state_plans_nothing_and_full_adoption_writes_nothing() {
         let state = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1"])]));
-        let (p, _, _) = Programmed::full(&state, &MapContent::default(), Capacity::default());
+        let (p, _, _) = full_of(&state, &MapContent::default(), Capacity::default());
         assert!(
             p.ids.services.is_empty(),
             "the owners hold the ids: a full plan keeps no id table of its own"
@@ -504,7 +529,7 @@ mod tests {
         assert_eq!(p.backend_refs, BTreeMap::from([(1, 1)]));
         let kernel = p.content.clone(); // what KernelMaps::fill writes
         // A restarted agent plans the same state against what is pinned: no writes.
-        let (_, again, _) = Programmed::full(&state, &kernel, Capacity::default());
+        let (_, again, _) = full_of(&state, &kernel, Capacity::default());
         assert!(again.is_empty(), "restart must write nothing: {again:?}");
         let mut p = p;
         let (none, errors) = p.update(&[], Capacity::default());
@@ -525,7 +550,7 @@ mod tests {
             steps.push(docs(&[svc(round + 1), svc(round + 2)]));
         }
         let cap = Capacity::default();
-        let mut p = Programmed::full(&DesiredState::default(), &MapContent::default(), cap).0;
+        let mut p = full_of(&DesiredState::default(), &MapContent::default(), cap).0;
         let mut prev = DesiredState::default();
         let mut released_before = BTreeSet::new();
         for (i, yaml) in steps.iter().enumerate() {
@@ -547,7 +572,7 @@ mod tests {
         }
         assert_eq!(released_before.len(), 1, "one Service goes each round");
         // A full plan against the kernel content releases what the desired state drops.
-        let (_, plan, _) = Programmed::full(&desired(&docs(&[svc(100)])), &p.content, cap);
+        let (_, plan, _) = full_of(&desired(&docs(&[svc(100)])), &p.content, cap);
         assert_eq!(plan.released_services.len(), 2, "{plan:?}");
     }
 
@@ -558,7 +583,7 @@ mod tests {
             backends: 10,
         };
         let one = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
-        let (mut p, plan, errors) = Programmed::full(&one, &MapContent::default(), cap);
+        let (mut p, plan, errors) = full_of(&one, &MapContent::default(), cap);
         assert!(errors.is_empty());
         assert!(
             plan.is_empty(),
@@ -585,11 +610,7 @@ mod tests {
         assert_eq!(apply(&kernel, &plan), p.content);
         assert_eq!(
             semantic(&p.content),
-            semantic(
-                &Programmed::full(&one, &MapContent::default(), cap)
-                    .0
-                    .content
-            )
+            semantic(&full_of(&one, &MapContent::default(), cap).0.content)
         );
     }
 
@@ -602,7 +623,7 @@ mod tests {
         };
         let before = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])]));
         let after = desired(&docs(&[web("a", "10.96.0.1", &["10.0.0.3", "10.0.0.4"])]));
-        let (mut p, _, _) = Programmed::full(&before, &MapContent::default(), cap);
+        let (mut p, _, _) = full_of(&before, &MapContent::default(), cap);
         let (_, errors) = p.update(&changes(&before, &after), cap);
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(p.content.backends.len(), 2);

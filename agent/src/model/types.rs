@@ -185,7 +185,7 @@ pub enum EmptyAction {
     Drop,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EndpointSet {
     /// Sorted by (addr, port); empty means `empty_action` applies.
     pub endpoints: Vec<Endpoint>,
@@ -200,7 +200,7 @@ pub struct EndpointSet {
     pub topology: bool,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct FrontendState {
     pub addr: IpAddr,
     pub port: u16,
@@ -210,7 +210,7 @@ pub struct FrontendState {
 }
 
 /// Everything one ServicePort (of one family) needs programmed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ServicePortState {
     pub id: ServicePortId,
     /// ClientIP affinity timeout in seconds, when `sessionAffinity: ClientIP`.
