@@ -584,13 +584,13 @@ mod tests {
             no_local_endpoints_internal: 2,
             ..Default::default()
         };
-        let web = crate::model::ServicePortId {
-            namespace: "default".into(),
-            name: "web".into(),
-            port_name: "http".into(),
-            protocol: crate::model::Protocol::Tcp,
-            family: crate::model::IpFamily::V4,
-        };
+        let web = crate::model::ServicePortId::new(
+            "default",
+            "web",
+            "http",
+            crate::model::Protocol::Tcp,
+            crate::model::IpFamily::V4,
+        );
         s.service_names = crate::status::ServiceNames::new(vec![(7, web)]);
         s.scraped.service_connections.insert(7, 12);
         s.scraped.service_connections.insert(99, 5); // no longer programmed: left out

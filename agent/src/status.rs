@@ -312,12 +312,14 @@ mod tests {
 
     #[test]
     fn service_names_are_found_by_id() {
-        let id = |name: &str| ServicePortId {
-            namespace: "default".into(),
-            name: name.into(),
-            port_name: "".into(),
-            protocol: crate::model::Protocol::Tcp,
-            family: crate::model::IpFamily::V4,
+        let id = |name: &str| {
+            ServicePortId::new(
+                "default",
+                name,
+                "",
+                crate::model::Protocol::Tcp,
+                crate::model::IpFamily::V4,
+            )
         };
         let names = ServiceNames::new(vec![(9, id("b")), (2, id("a")), (5, id("c"))]);
         assert_eq!(names.get(5), Some(&id("c")));

@@ -1122,13 +1122,7 @@ pub(crate) mod tests {
     }
 
     fn spid(name: &str) -> ServicePortId {
-        ServicePortId {
-            namespace: "default".into(),
-            name: name.into(),
-            port_name: "http".into(),
-            protocol: Protocol::Tcp,
-            family: IpFamily::V4,
-        }
+        ServicePortId::new("default", name, "http", Protocol::Tcp, IpFamily::V4)
     }
 
     /// Frontend keys, service ids and backend ids one Plan writes or deletes.
@@ -1859,12 +1853,14 @@ pub(crate) mod tests {
 
     #[test]
     fn plan_errors_are_summarized_per_cause_with_the_first_names() {
-        let id = |name: &str| ServicePortId {
-            namespace: "default".into(),
-            name: name.into(),
-            port_name: "http".into(),
-            protocol: crate::model::Protocol::Tcp,
-            family: crate::model::IpFamily::V4,
+        let id = |name: &str| {
+            ServicePortId::new(
+                "default",
+                name,
+                "http",
+                crate::model::Protocol::Tcp,
+                crate::model::IpFamily::V4,
+            )
         };
         let full = |name: &str, free: u32| PlanError::MapFull {
             service: id(name),
@@ -1907,13 +1903,13 @@ mod bulk_tests {
     fn many(n: u32) -> DesiredState {
         let mut d = DesiredState::default();
         for i in 0..n {
-            let id = ServicePortId {
-                namespace: "default".into(),
-                name: format!("svc-{i}").into(),
-                port_name: "http".into(),
-                protocol: Protocol::Tcp,
-                family: IpFamily::V4,
-            };
+            let id = ServicePortId::new(
+                "default",
+                format!("svc-{i}"),
+                "http",
+                Protocol::Tcp,
+                IpFamily::V4,
+            );
             let endpoints = (0..10)
                 .map(|j| Endpoint {
                     addr: IpAddr::V4(Ipv4Addr::from(0x0a80_0000 + i * 5 + j)),

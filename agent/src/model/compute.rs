@@ -571,13 +571,13 @@ impl Emitter<'_> {
         out: &mut DesiredState,
     ) {
         let family = IpFamily::of(&cluster_ip.addr);
-        let id = ServicePortId {
-            namespace: svc.namespace.as_str().into(),
-            name: svc.name.as_str().into(),
-            port_name: port.name.as_str().into(),
-            protocol: port.protocol,
+        let id = ServicePortId::new(
+            svc.namespace.as_str(),
+            svc.name.as_str(),
+            port.name.as_str(),
+            port.protocol,
             family,
-        };
+        );
         let empty = PortEndpoints::new();
         let key = (svc.namespace.as_str(), svc.name.as_str());
         let endpoints = self

@@ -120,13 +120,7 @@ mod tests {
     };
 
     fn id(name: &str, port_name: &str, family: IpFamily) -> ServicePortId {
-        ServicePortId {
-            namespace: "default".into(),
-            name: name.into(),
-            port_name: port_name.into(),
-            protocol: Protocol::Tcp,
-            family,
-        }
+        ServicePortId::new("default", name, port_name, Protocol::Tcp, family)
     }
 
     fn frontend(addr: &str, port: u16, kind: FrontendKind, set: EndpointSet) -> FrontendState {

@@ -116,15 +116,53 @@ impl fmt::Display for IpFamily {
 /// kube-proxy's ServicePortName, plus the family: one per family of a dual-stack Service.
 /// Displays as `namespace/name:port/TCP/IPv4` (`port` is the Service port's name, may be empty).
 /// Ordered by namespace and name first: the engine finds a Service's ports as one range.
-/// The names are shared (`Arc<str>`): an id is copied into the desired state, the
-/// frontend owners and the planner's tables, and a copy then costs no allocation.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServicePortId {
+/// One shared allocation ([`PortIdentity`]): an id is copied into the engine's digests,
+/// the frontend owners and the planner's tables, and a copy is a pointer (the fields
+/// inline were 56 bytes per copy, 16 MiB at 100,000 ServicePorts).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortId(Arc<PortIdentity>);
+
+/// The fields of a [`ServicePortId`]. The names are shared (`Arc<str>`) with the store's
+/// objects and between ids.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortIdentity {
     pub namespace: Arc<str>,
     pub name: Arc<str>,
     pub port_name: Arc<str>,
     pub protocol: Protocol,
     pub family: IpFamily,
+}
+
+impl ServicePortId {
+    pub fn new(
+        namespace: impl Into<Arc<str>>,
+        name: impl Into<Arc<str>>,
+        port_name: impl Into<Arc<str>>,
+        protocol: Protocol,
+        family: IpFamily,
+    ) -> ServicePortId {
+        ServicePortId(Arc::new(PortIdentity {
+            namespace: namespace.into(),
+            name: name.into(),
+            port_name: port_name.into(),
+            protocol,
+            family,
+        }))
+    }
+}
+
+impl std::ops::Deref for ServicePortId {
+    type Target = PortIdentity;
+
+    fn deref(&self) -> &PortIdentity {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ServicePortId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
 }
 
 impl fmt::Display for ServicePortId {
