@@ -44,6 +44,36 @@ pub(super) fn kept_key(key: &str) -> Option<&'static str> {
 /// An object's namespace or name: shared with its [`ObjectKey`] in the store's tables.
 pub type Name = std::sync::Arc<str>;
 
+/// Distinct strings [`shared`] keeps per thread (a cluster has a few dozen port names
+/// and at most a few thousand nodes).
+const SHARED_MAX: usize = 8192;
+
+/// `s` as a string shared with every other object that has it: port names and node
+/// names repeat across 100,000s of objects. Taken while decoding: a string per object
+/// that the store replaced by a shared one later (after the whole list) left a hole in
+/// the heap per endpoint.
+pub fn shared(s: &str) -> Name {
+    thread_local! {
+        static SHARED: std::cell::RefCell<std::collections::BTreeSet<Name>> =
+            Default::default();
+    }
+    SHARED.with(|set| {
+        let mut set = set.borrow_mut();
+        if let Some(name) = set.get(s) {
+            return name.clone();
+        }
+        if set.len() >= SHARED_MAX {
+            // Only strings no object holds any more are dropped.
+            set.retain(|n| std::sync::Arc::strong_count(n) > 1);
+        }
+        let name = Name::from(s);
+        if set.len() < SHARED_MAX {
+            set.insert(name.clone());
+        }
+        name
+    })
+}
+
 /// A value most objects share (a type, protocol or policy name): the known ones are not
 /// allocated per object.
 pub type Word = Cow<'static, str>;
@@ -87,7 +117,7 @@ pub struct SliceLite {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortLite {
-    pub name: Option<Text>,
+    pub name: Option<Name>,
     pub port: Option<i32>,
     pub protocol: Option<Word>,
 }
@@ -227,7 +257,7 @@ impl SliceLite {
                         c.and_then(|c| c.serving),
                         c.and_then(|c| c.terminating),
                     ),
-                    e.node_name.as_deref().map(Name::from),
+                    e.node_name.as_deref().map(shared),
                     hints
                         .and_then(|h| h.for_zones.as_ref())
                         .into_iter()
@@ -248,7 +278,7 @@ impl SliceLite {
             .iter()
             .flatten()
             .map(|p| PortLite {
-                name: p.name.as_deref().map(text),
+                name: p.name.as_deref().map(shared),
                 port: p.port,
                 protocol: p.protocol.as_deref().map(word),
             })
@@ -408,7 +438,7 @@ pub struct RareSpec {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePortLite {
-    pub name: Option<Text>,
+    pub name: Option<Name>,
     pub protocol: Option<Word>,
     pub port: i32,
     pub node_port: Option<i32>,
@@ -524,7 +554,7 @@ fn spec_from_k8s(spec: &ServiceSpec) -> (SpecLite, RareSpec) {
             .iter()
             .flatten()
             .map(|p| ServicePortLite {
-                name: p.name.as_deref().map(text),
+                name: p.name.as_deref().map(shared),
                 protocol: p.protocol.as_deref().map(word),
                 port: p.port,
                 node_port: p.node_port,

@@ -70,7 +70,7 @@ pub(super) fn slice(text: &str) -> Option<Decoded<SliceLite>> {
             .unwrap_or_default()
             .into_iter()
             .map(|p| PortLite {
-                name: p.name,
+                name: p.name.map(|n| n.0),
                 port: p.port,
                 protocol: p.protocol.as_deref().map(compact::word),
             })
@@ -228,7 +228,7 @@ impl SpecWire {
                 .unwrap_or_default()
                 .into_iter()
                 .map(|p| ServicePortLite {
-                    name: p.name,
+                    name: p.name.map(|n| n.0),
                     protocol: p.protocol.as_deref().map(compact::word),
                     port: p.port.unwrap_or_default(),
                     node_port: p.node_port,
@@ -242,7 +242,7 @@ impl SpecWire {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ServicePortWire {
-    name: Option<Text>,
+    name: Option<SharedName>,
     protocol: Option<String>,
     port: Option<i32>,
     node_port: Option<i32>,
@@ -290,7 +290,7 @@ struct SliceWire {
 
 #[derive(Deserialize)]
 struct SlicePortWire {
-    name: Option<Text>,
+    name: Option<SharedName>,
     port: Option<i32>,
     protocol: Option<String>,
 }
@@ -300,8 +300,28 @@ struct SlicePortWire {
 struct EndpointWire {
     addresses: Option<Vec<String>>,
     conditions: Option<ConditionsWire>,
-    node_name: Option<Text>,
+    node_name: Option<SharedName>,
     hints: Option<HintsWire>,
+}
+
+/// A string many objects repeat (a port or node name), decoded as one shared copy
+/// ([`compact::shared`]) without a string of its own first.
+struct SharedName(Name);
+
+impl<'de> Deserialize<'de> for SharedName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = SharedName;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<SharedName, E> {
+                Ok(SharedName(compact::shared(s)))
+            }
+        }
+        d.deserialize_str(V)
+    }
 }
 
 impl EndpointWire {
@@ -325,7 +345,7 @@ impl EndpointWire {
                 c.as_ref().and_then(|c| c.serving),
                 c.as_ref().and_then(|c| c.terminating),
             ),
-            self.node_name.map(Name::from),
+            self.node_name.map(|n| n.0),
             names(zones),
             names(nodes),
         )
@@ -502,5 +522,28 @@ mod tests {
         ] {
             same_slice(odd, false);
         }
+    }
+
+    #[test]
+    fn port_and_node_names_are_shared_as_decoded() {
+        let text = |name: &str| {
+            json!({"metadata": {"name": name}, "ports": [{"name": "http", "port": 80}],
+                   "endpoints": [{"addresses": ["10.0.0.1"], "nodeName": "node-a"}]})
+            .to_string()
+        };
+        let (_, a) = slice(&text("a")).unwrap();
+        let (_, b) = slice(&text("b")).unwrap();
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let port = |s: &SliceLite| s.ports[0].name.clone().unwrap();
+        let node = |s: &SliceLite| s.endpoints[0].node_name.clone().unwrap();
+        assert_eq!(&*port(&a), "http");
+        assert!(std::sync::Arc::ptr_eq(&port(&a), &port(&b)));
+        assert!(std::sync::Arc::ptr_eq(&node(&a), &node(&b)));
+        let svc = |name: &str| {
+            let text = json!({"metadata": {"name": name}, "spec": {"ports": [{"name": "http", "port": 80}]}});
+            let (_, s) = service(&text.to_string()).unwrap();
+            s.unwrap().spec.unwrap().ports[0].name.clone().unwrap()
+        };
+        assert!(std::sync::Arc::ptr_eq(&svc("x"), &port(&a)));
     }
 }
