@@ -196,7 +196,7 @@ impl Owned {
 pub struct Ids {
     /// A BTreeMap, compacted after a full plan: at 120,000 backends (30000x4) a hash table
     /// has just doubled to 262,144 buckets (6.5 MiB); full nodes take 3 MiB.
-    pub(crate) backends: BTreeMap<BackendTuple, u32>,
+    pub(crate) backends: BackendIds,
     /// The ids of the last plan's ServicePorts, for [`desired_content`] (planning in full
     /// again, in tests). The agent plans in full only from an adopted `Ids`, where the
     /// frontends in the kernel give the ids and `Programmed` keeps them afterwards: it
@@ -297,8 +297,61 @@ impl Ids {
 
     /// Forgets backend ids that the desired content no longer uses.
     fn retain(&mut self, content: &MapContent) {
-        self.backends
-            .retain(|_, id| content.backends.contains_key(id));
+        self.backends.retain(|id| content.backends.contains_key(id));
+    }
+}
+
+/// Backend ids by tuple. An IPv4 tuple (nearly every one) is packed into one word, so
+/// its entry in the tree is 12 bytes instead of 24 (4.8 MiB less at 400,000 backends).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct BackendIds {
+    v4: BTreeMap<u64, u32>,
+    other: BTreeMap<BackendTuple, u32>,
+}
+
+impl BackendIds {
+    /// Address (32 bits), port (16) and protocol (8) of an IPv4 tuple.
+    fn packed(t: &BackendTuple) -> Option<u64> {
+        let (addr, port, proto) = t;
+        addr_is_v4(addr)
+            .then(|| (u64::from(addr[3]) << 24) | (u64::from(*port) << 8) | u64::from(*proto))
+    }
+
+    pub(crate) fn get(&self, t: &BackendTuple) -> Option<&u32> {
+        match Self::packed(t) {
+            Some(k) => self.v4.get(&k),
+            None => self.other.get(t),
+        }
+    }
+
+    pub(crate) fn contains_key(&self, t: &BackendTuple) -> bool {
+        self.get(t).is_some()
+    }
+
+    pub(crate) fn insert(&mut self, t: BackendTuple, id: u32) -> Option<u32> {
+        match Self::packed(&t) {
+            Some(k) => self.v4.insert(k, id),
+            None => self.other.insert(t, id),
+        }
+    }
+
+    pub(crate) fn remove(&mut self, t: &BackendTuple) -> Option<u32> {
+        match Self::packed(t) {
+            Some(k) => self.v4.remove(&k),
+            None => self.other.remove(t),
+        }
+    }
+
+    /// Keeps the tuples whose id passes `keep`.
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&u32) -> bool) {
+        self.v4.retain(|_, id| keep(id));
+        self.other.retain(|_, id| keep(id));
+    }
+
+    /// Full tree nodes ([`crate::btree::compact`]).
+    pub(crate) fn compact(&mut self) {
+        crate::btree::compact(&mut self.v4);
+        crate::btree::compact(&mut self.other);
     }
 }
 
@@ -468,7 +521,7 @@ pub fn desired_content_owned(
     new.into_iter().for_each(place_one);
     let out = out.build();
     ids.retain(&out);
-    crate::btree::compact(&mut ids.backends);
+    ids.backends.compact();
     (out, errors, owners.build(), kept)
 }
 
@@ -1940,6 +1993,40 @@ mod bulk_tests {
             d.services.insert(id, sp);
         }
         d
+    }
+
+    #[test]
+    fn backend_ids_tell_every_tuple_apart_in_both_families() {
+        let v4 = |ip: [u8; 4], port: u16, proto: u8| {
+            (
+                addr_of(&IpAddr::V4(Ipv4Addr::from(ip))),
+                port.to_be(),
+                proto,
+            )
+        };
+        let v6 = (addr_of(&"fd00::1".parse().unwrap()), 80u16.to_be(), 6);
+        let tuples = [
+            v4([10, 0, 0, 1], 80, 6),
+            v4([10, 0, 0, 1], 80, 17),
+            v4([10, 0, 0, 1], 81, 6),
+            v4([10, 0, 0, 2], 80, 6),
+            v4([255, 255, 255, 255], 65535, 255),
+            v6,
+        ];
+        let mut ids = BackendIds::default();
+        for (n, t) in tuples.iter().enumerate() {
+            assert_eq!(ids.insert(*t, n as u32), None, "{t:?} is new");
+        }
+        for (n, t) in tuples.iter().enumerate() {
+            assert_eq!(ids.get(t), Some(&(n as u32)));
+        }
+        ids.retain(|id| id % 2 == 1);
+        ids.compact();
+        for (n, t) in tuples.iter().enumerate() {
+            assert_eq!(ids.contains_key(t), n % 2 == 1, "{t:?}");
+        }
+        assert_eq!(ids.remove(&v6), Some(5));
+        assert!(!ids.contains_key(&v6));
     }
 
     #[test]
