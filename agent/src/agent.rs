@@ -128,11 +128,9 @@ struct Syncer {
     floor: u32,
     /// After a failed growth, not again before this.
     growth_blocked_until: Option<Instant>,
-    /// The desired state the start computed (and sized the maps from), when no first
-    /// plan was made from it: the first full plan uses it as it is.
-    start_states: Option<States>,
-    /// What the start's desired state needs.
-    start_need: Option<Capacity>,
+    /// The desired state the start computed and what it needs (the maps were sized
+    /// from it), when no first plan was made from it: the first full plan uses it.
+    start_states: Option<(States, Capacity)>,
     /// The first full plan, made while the programs loaded ([`FirstPlan`]).
     first_plan: Option<FirstPlan>,
     /// Planning time spent before this sync began (the first plan's), counted in its
@@ -419,7 +417,6 @@ impl Syncer {
     ) -> Result<(Plan, Vec<PlanError>, Vec<ServicePortState>, bool), aya::maps::MapError> {
         let current = self.maps.read()?;
         let fresh = current == dataplane::MapContent::default();
-        let start_need = self.start_need.take();
         let start_states = self.start_states.take();
         // Planned while the programs loaded, for maps that are still empty and of the
         // size it assumed (otherwise it is dropped and the plan made here).
@@ -441,17 +438,11 @@ impl Syncer {
         }
         // The maps are sized from what this desired state needs before anything is
         // planned (the new generation starts as a copy of `current`).
-        let (states, need) = match start_states {
-            Some(states) => {
-                let need = start_need.unwrap_or_else(|| growth::need_of(&states));
-                (states, need)
-            }
-            None => {
-                let states = self.engine.recompute_all();
-                let need = growth::need_of(&states);
-                (states, need)
-            }
-        };
+        let (states, need) = start_states.unwrap_or_else(|| {
+            let states = self.engine.recompute_all();
+            let need = growth::need_of(&states);
+            (states, need)
+        });
         self.plan_errors.clear();
         if let Some(to) = growth::target(self.capacity, need, self.floor, self.load.bound) {
             self.grow(to);
@@ -945,7 +936,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         "first list in: {doing}"
     );
     let (task, first_plan, start_states) = match early {
-        Some(task) => (task, None, Some(states)),
+        Some(task) => (task, None, Some((states, need))),
         None => {
             let task = LoadTask::spawn(load.clone());
             // Nothing of this layout is pinned: the maps are created empty at this size,
@@ -1002,7 +993,6 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         floor,
         growth_blocked_until: None,
         start_states,
-        start_need: Some(need),
         first_plan,
         carried: Duration::ZERO,
         snat_unaddressed: BTreeSet::new(),

@@ -465,11 +465,6 @@ impl Engine {
         }
     }
 
-    /// ServicePorts in the desired state.
-    pub fn port_count(&self) -> usize {
-        self.desired.len()
-    }
-
     /// The healthCheckNodePort servers the desired state needs, per Service.
     pub fn health_checks(&self) -> &BTreeMap<ObjectKey, HealthCheck> {
         &self.health

@@ -70,7 +70,39 @@ pub enum PlanError {
     },
 }
 
+/// The map a [`PlanError::MapFull`] is about.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum MapKind {
+    Services,
+    Backends,
+}
+
 impl PlanError {
+    /// `MapFull` when `needed` more entries do not fit beside the `used` ones.
+    pub(crate) fn check_room(
+        service: &ServicePortId,
+        kind: MapKind,
+        needed: u32,
+        used: u32,
+        cap: Capacity,
+    ) -> Result<(), PlanError> {
+        let (map, flag, capacity) = match kind {
+            MapKind::Services => (ferry_common::lb::SERVICES_MAP, "max-services", cap.services),
+            MapKind::Backends => (ferry_common::lb::BACKENDS_MAP, "max-backends", cap.backends),
+        };
+        if used.saturating_add(needed) <= capacity {
+            return Ok(());
+        }
+        Err(PlanError::MapFull {
+            service: service.clone(),
+            map,
+            flag,
+            needed,
+            free: capacity.saturating_sub(used),
+            capacity,
+        })
+    }
+
     /// The ServicePort that was not (fully) programmed.
     pub fn service(&self) -> &ServicePortId {
         match self {
@@ -549,15 +581,8 @@ fn try_place(
     }
     let (entries, tuples) = footprint(sp);
     let used = out.services.len() as u32;
-    if used + entries > cap.services {
-        errors.push(PlanError::MapFull {
-            service: sp.id.clone(),
-            map: ferry_common::lb::SERVICES_MAP,
-            flag: "max-services",
-            needed: entries,
-            free: cap.services.saturating_sub(used),
-            capacity: cap.services,
-        });
+    if let Err(e) = PlanError::check_room(&sp.id, MapKind::Services, entries, used, cap) {
+        errors.push(e);
         return None;
     }
     // A tuple is placed already when its id is in `out` (one id per tuple).
@@ -566,15 +591,8 @@ fn try_place(
         .filter(|t| ids.backends.get(t).is_none_or(|id| !out.is_placed(*id)))
         .count() as u32;
     let used_b = out.backend_count() as u32;
-    if used_b + fresh > cap.backends {
-        errors.push(PlanError::MapFull {
-            service: sp.id.clone(),
-            map: ferry_common::lb::BACKENDS_MAP,
-            flag: "max-backends",
-            needed: fresh,
-            free: cap.backends.saturating_sub(used_b),
-            capacity: cap.backends,
-        });
+    if let Err(e) = PlanError::check_room(&sp.id, MapKind::Backends, fresh, used_b, cap) {
+        errors.push(e);
         return None;
     }
     let svc_id = ids.service(sp, current, taken);

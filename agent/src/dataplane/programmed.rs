@@ -11,8 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use ferry_common::lb::{Backend, MAX_BACKENDS_PER_SERVICE, MemberKey, ServiceKey, ServiceValue};
 
 use super::plan::{
-    Capacity, Ids, MapContent, Owned, Plan, PlanError, desired_content_owned, diff, footprint,
-    place,
+    Capacity, Ids, MapContent, MapKind, Owned, Plan, PlanError, desired_content_owned, diff,
+    footprint, place,
 };
 use crate::model::{ServicePortId, ServicePortState};
 
@@ -247,16 +247,7 @@ impl Programmed {
         let old = self.owners.get(id);
         let old_entries = old.map_or(0, |o| o.keys(&self.content).count() as u32);
         let used = self.content.services.len() as u32 - old_entries;
-        if used + entries > cap.services {
-            return Err(PlanError::MapFull {
-                service: id.clone(),
-                map: ferry_common::lb::SERVICES_MAP,
-                flag: "max-services",
-                needed: entries,
-                free: cap.services.saturating_sub(used),
-                capacity: cap.services,
-            });
-        }
+        PlanError::check_room(id, MapKind::Services, entries, used, cap)?;
         // Backends after the change: the new tuples nobody has yet come in, and the ones
         // only this ServicePort used and no longer needs go out.
         let fresh = tuples
@@ -276,17 +267,7 @@ impl Programmed {
                 .count() as u32
         });
         let used_b = (self.content.backends.len() as u32).saturating_sub(freed);
-        if used_b + fresh > cap.backends {
-            return Err(PlanError::MapFull {
-                service: id.clone(),
-                map: ferry_common::lb::BACKENDS_MAP,
-                flag: "max-backends",
-                needed: fresh,
-                free: cap.backends.saturating_sub(used_b),
-                capacity: cap.backends,
-            });
-        }
-        Ok(())
+        PlanError::check_room(id, MapKind::Backends, fresh, used_b, cap)
     }
 
     /// The writes for everything touched: old values against the new content.
